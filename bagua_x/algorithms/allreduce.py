@@ -1,0 +1,22 @@
+"""GradientAllReduce: gradients averaged (or summed) over ranks -- what DDP does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..core.comm import ReduceOp
+from .base import Algorithm
+
+__all__ = ["GradientAllReduce"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientAllReduce(Algorithm):
+    average: bool = True
+    hierarchical: bool = False
+
+    def reduce(self, flat, state, comm):
+        op = ReduceOp.AVG if self.average else ReduceOp.SUM
+        if self.hierarchical and hasattr(comm, "hierarchical_allreduce"):
+            return comm.hierarchical_allreduce(flat, op), state
+        return comm.allreduce(flat, op), state

@@ -1,0 +1,78 @@
+"""The algorithm interface: what is communicated, when, and how -- once for every framework.
+
+An algorithm is a small frozen dataclass of hyperparameters with an optax-style
+pair of pure functions over one bucket's flat buffer:
+
+* ``init(flat, world_size) -> state``: the per-bucket state (a dict of arrays,
+  so JAX can thread it through a jitted step and torch can keep it).
+* ``reduce(flat, state, comm) -> (flat, state)``: the communication, using the
+  Array API (``array_api_compat.array_namespace``) for math and the
+  :class:`~bagua_x.core.Communicator` for collectives.
+
+``target`` says which tensor of each parameter is the effective tensor
+(gradient, weight or optimizer momentum); ``phase`` says when the frontend runs
+``reduce``.  Frontends derive their getters, setters and hooks from these two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import array_api_compat
+
+__all__ = ["Target", "Phase", "Algorithm", "namespace", "counter", "every"]
+
+
+class Target(enum.Enum):
+    GRAD = "grad"  # p.grad / the gradient tree
+    WEIGHT = "weight"  # the parameter itself / the params tree
+    MOMENTUM = "momentum"  # the optimizer's first moment
+
+
+class Phase(enum.Enum):
+    AFTER_BACKWARD = "after_backward"  # before the optimizer reads the gradients
+    AFTER_STEP = "after_step"  # after the optimizer changed the weights
+    BEFORE_FORWARD = "before_forward"  # launched at forward, finished before the step
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """Base class; subclasses are frozen dataclasses of hyperparameters."""
+
+    target = Target.GRAD
+    phase = Phase.AFTER_BACKWARD
+
+    def alignment(self, world_size: int) -> int:
+        """Bucket buffers are padded to a multiple of this many elements."""
+        return 1
+
+    def init(self, flat, world_size: int) -> dict:
+        """Per-bucket state, built from the bucket's initial flat buffer."""
+        return {}
+
+    def reduce(self, flat, state: dict, comm) -> tuple[Any, dict]:
+        raise NotImplementedError
+
+    def hyperparameters(self) -> dict:
+        """Name and settings, compared across ranks at wrap."""
+        return {"algorithm": type(self).__name__, **dataclasses.asdict(self)}
+
+
+def namespace(x):
+    return array_api_compat.array_namespace(x)
+
+
+def counter(xp) -> Any:
+    """A scalar step counter in the state (int32, so JAX can trace it)."""
+    return xp.zeros((), dtype=xp.int32)
+
+
+def every(comm, step, interval: int, fn, operand):
+    """``fn(operand)`` when ``step % interval == 0``, else ``operand`` unchanged."""
+    if interval == 1:
+        return fn(operand)
+    xp = namespace(step)
+    skip = xp.astype(step % interval != 0, xp.int32)
+    return comm.switch(skip, [fn, lambda o: o], operand)

@@ -1,0 +1,58 @@
+"""Low-precision decentralized SGD on a ring (Bagua's algorithm).
+
+Each rank keeps ``w`` (its weights after the last exchange) and ``L``, ``R``
+(its estimates of its left and right neighbours' weights), all starting as
+copies of ``x``.  After the optimizer step:
+``d = x + L/3 + R/3 - 5w/3``; ``q = MinMaxUInt8(d)``; ``q`` goes to both
+neighbours; ``L += deQ(q_from_left)``, ``R += deQ(q_from_right)``;
+``x <- w + deQ(q)``; ``w <- x``.  Only 8-bit differences travel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..core.errors import BaguaXError
+from .base import Algorithm, Phase, Target, counter, every, namespace
+from .compression import compress_rows, decompress_rows
+
+__all__ = ["LowPrecisionDecentralized"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LowPrecisionDecentralized(Algorithm):
+    communication_interval: int = 1
+
+    target = Target.WEIGHT
+    phase = Phase.AFTER_STEP
+
+    def __post_init__(self):
+        if self.communication_interval < 1:
+            raise BaguaXError(
+                f"LowPrecisionDecentralized: communication_interval must be >= 1, got {self.communication_interval}"
+            )
+
+    def init(self, flat, world_size):
+        xp = namespace(flat)
+        copy = lambda: xp.astype(flat, xp.float32, copy=True)  # noqa: E731
+        return {"step": counter(xp), "w": copy(), "left": copy(), "right": copy()}
+
+    def reduce(self, flat, state, comm):
+        xp = namespace(flat)
+        n = comm.size
+        from_left = [(i, (i + 1) % n) for i in range(n)]  # each rank receives its left neighbour's
+        from_right = [(i, (i - 1) % n) for i in range(n)]
+
+        def communicate(carry):
+            x, w, left, right = carry
+            d = x + left / 3 + right / 3 - 5 * w / 3
+            q, mm = compress_rows(xp.reshape(d, (1, -1)))
+            left = left + xp.reshape(decompress_rows(comm.permute(q, from_left), comm.permute(mm, from_left)), x.shape)
+            right = right + xp.reshape(decompress_rows(comm.permute(q, from_right), comm.permute(mm, from_right)), x.shape)
+            x = w + xp.reshape(decompress_rows(q, mm), x.shape)
+            return x, x, left, right
+
+        carry = (xp.astype(flat, xp.float32), state["w"], state["left"], state["right"])
+        x, w, left, right = every(comm, state["step"], self.communication_interval, communicate, carry)
+        new_state = {"step": state["step"] + 1, "w": w, "left": left, "right": right}
+        return xp.astype(x, flat.dtype), new_state

@@ -1,0 +1,54 @@
+"""Model averaging: ranks train independently and average weights every ``period`` steps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..core.comm import ReduceOp
+from ..core.errors import BaguaXError
+from .base import Algorithm, Phase, Target, counter, every, namespace
+
+__all__ = ["ModelAverage", "AsyncModelAverage", "async_average_delta"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelAverage(Algorithm):
+    period: int = 1
+
+    target = Target.WEIGHT
+    phase = Phase.AFTER_STEP
+
+    def __post_init__(self):
+        if self.period < 1:
+            raise BaguaXError(f"ModelAverage: period must be >= 1, got {self.period}")
+
+    def init(self, flat, world_size):
+        return {"step": counter(namespace(flat))}
+
+    def reduce(self, flat, state, comm):
+        step = state["step"] + 1  # average after steps period, 2*period, ...
+        x = every(comm, step, self.period, lambda y: comm.allreduce(y, ReduceOp.AVG), flat)
+        return x, {"step": step}
+
+
+def async_average_delta(snapshot, comm):
+    """What to add to the live weights: ``allreduce_sum(s)/N - s`` for a snapshot ``s``.
+
+    Adding the delta (instead of overwriting) keeps the local progress made
+    while the allreduce was in flight.
+    """
+    return comm.allreduce(snapshot, ReduceOp.SUM) / comm.size - snapshot
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncModelAverage(Algorithm):
+    """Background weight averaging every ``sync_interval_ms`` (torch frontend only)."""
+
+    sync_interval_ms: int = 500
+    warmup_steps: int = 0
+
+    target = Target.WEIGHT
+    phase = Phase.AFTER_STEP
+
+    def reduce(self, flat, state, comm):
+        return flat + async_average_delta(flat, comm), state

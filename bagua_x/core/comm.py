@@ -1,0 +1,60 @@
+"""The Communicator protocol: the only way algorithms talk to other ranks.
+
+Algorithms are written once against this protocol; each frontend implements it
+on an existing engine (``torch.distributed`` process groups, XLA collectives
+under a named axis).  Shapes follow one convention so the same algorithm code
+runs on both:
+
+* ``allreduce(x, op)`` -> same shape, reduced over ranks.
+* ``allgather(x)`` -> shape ``(size, *x.shape)``, row ``i`` from rank ``i``.
+* ``alltoall(x)`` with ``x.shape[0] == size`` -> row ``j`` goes to rank ``j``;
+  row ``i`` of the result came from rank ``i``.
+* ``reduce_scatter(x, op)`` with ``x.shape[0] == size`` -> row ``rank`` reduced
+  over ranks, shape ``x.shape[1:]``.
+* ``broadcast(x, root)`` -> ``root``'s ``x``.
+* ``permute(x, pairs)`` -> each rank gets the ``x`` of the rank that lists it as
+  destination in the static ``(src, dst)`` pairs, zeros when none does.
+* ``switch(index, branches, operand)`` -> ``branches[index](operand)``.  Not a
+  collective: the one piece of control flow whose form depends on the engine
+  (``lax.switch`` when ``index`` is traced, plain Python elsewhere), needed by
+  algorithms that act only every k-th step or rotate peers.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+__all__ = ["ReduceOp", "Communicator"]
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    AVG = "avg"
+    MIN = "min"
+    MAX = "max"
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    @property
+    def rank(self) -> Any:
+        """This rank's index (an int, or a traced scalar under a JAX axis)."""
+
+    @property
+    def size(self) -> int:
+        """Number of ranks (always a Python int)."""
+
+    def allreduce(self, x, op: ReduceOp = ReduceOp.SUM): ...
+
+    def allgather(self, x): ...
+
+    def alltoall(self, x): ...
+
+    def reduce_scatter(self, x, op: ReduceOp = ReduceOp.SUM): ...
+
+    def broadcast(self, x, root: int = 0): ...
+
+    def permute(self, x, pairs: Sequence[tuple[int, int]]): ...
+
+    def switch(self, index, branches: Sequence[Callable[[Any], Any]], operand): ...
