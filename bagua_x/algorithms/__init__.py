@@ -6,8 +6,9 @@ from .bytegrad import ByteGrad
 from .decentralized import Decentralized
 from .low_precision_decentralized import LowPrecisionDecentralized
 from .model_average import AsyncModelAverage, ModelAverage
+from .qadam import QAdam
 
 __all__ = [
     "Algorithm", "Target", "Phase", "GradientAllReduce", "ByteGrad", "Decentralized",
-    "LowPrecisionDecentralized", "ModelAverage", "AsyncModelAverage",
+    "LowPrecisionDecentralized", "ModelAverage", "AsyncModelAverage", "QAdam",
 ]

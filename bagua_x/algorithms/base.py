@@ -22,7 +22,7 @@ from typing import Any
 
 import array_api_compat
 
-__all__ = ["Target", "Phase", "Algorithm", "namespace", "counter", "every"]
+__all__ = ["Target", "Phase", "Algorithm", "namespace", "counter", "every", "ring_allreduce_bytes", "compressed_bytes"]
 
 
 class Target(enum.Enum):
@@ -55,6 +55,10 @@ class Algorithm:
     def reduce(self, flat, state: dict, comm) -> tuple[Any, dict]:
         raise NotImplementedError
 
+    def wire_bytes(self, numel: int, itemsize: int, world_size: int) -> float:
+        """Bytes each rank sends per training step for a bucket of ``numel`` elements (steady state)."""
+        return ring_allreduce_bytes(numel, itemsize, world_size)
+
     def hyperparameters(self) -> dict:
         """Name and settings, compared across ranks at wrap."""
         return {"algorithm": type(self).__name__, **dataclasses.asdict(self)}
@@ -76,3 +80,13 @@ def every(comm, step, interval: int, fn, operand):
     xp = namespace(step)
     skip = xp.astype(step % interval != 0, xp.int32)
     return comm.switch(skip, [fn, lambda o: o], operand)
+
+
+def ring_allreduce_bytes(numel: int, itemsize: int, world_size: int) -> float:
+    """A ring allreduce sends ``2 (N-1)/N`` of the buffer from each rank."""
+    return 2 * (world_size - 1) / world_size * numel * itemsize
+
+
+def compressed_bytes(numel: int, world_size: int) -> float:
+    """ByteGrad's alltoall + allgather of uint8 chunks, each with an 8-byte min/max header."""
+    return 2 * (world_size - 1) * (numel / world_size + 8)

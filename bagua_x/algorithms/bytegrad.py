@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import Algorithm, namespace
+from .base import Algorithm, compressed_bytes, namespace
 from .compression import compress_rows, decompress_rows
 
 __all__ = ["ByteGrad", "compressed_allreduce"]
@@ -39,6 +39,9 @@ class ByteGrad(Algorithm):
 
     def alignment(self, world_size):
         return world_size
+
+    def wire_bytes(self, numel, itemsize, world_size):
+        return compressed_bytes(numel, world_size)
 
     def reduce(self, flat, state, comm):
         return compressed_allreduce(flat, comm, self.average), state

@@ -6,8 +6,8 @@ and back ``x' = (q + lower) / scale``.  The error is at most one step
 ``1 / scale`` per element.
 
 Two guards keep extreme inputs finite, without changing ordinary results:
-the range is computed from halves (``max/2 - min/2`` cannot overflow for
-finite inputs such as +-1e38), and ``eps`` is taken relative to the largest
+the range is computed from quarters (``max/4 - min/4`` cannot overflow for
+any finite float32, +-3.4e38 included), and ``eps`` is taken relative to the largest
 magnitude when that exceeds 1 (a constant row of 1e30 would otherwise scale
 to infinity).  For inputs of magnitude <= 1 this is exactly Bagua's formula.
 """
@@ -23,7 +23,7 @@ EPS = 1e-7
 
 def _scale_bounds(xp, mn, mx):
     big = xp.maximum(xp.maximum(xp.abs(mn), xp.abs(mx)), xp.ones_like(mx))
-    scale = 127.5 / ((mx * 0.5 - mn * 0.5) + 0.5 * EPS * big)
+    scale = 63.75 / ((mx * 0.25 - mn * 0.25) + 0.25 * EPS * big)
     upper = xp.round(mx * scale)
     return scale, upper - 255.0, upper
 

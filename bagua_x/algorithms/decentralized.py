@@ -16,7 +16,7 @@ import dataclasses
 
 from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
-from .base import Algorithm, Phase, Target, counter, every, namespace
+from .base import Algorithm, Phase, Target, counter, every, namespace, ring_allreduce_bytes
 
 __all__ = ["Decentralized", "shift_one_peer", "shift_one_pairs"]
 
@@ -52,6 +52,11 @@ class Decentralized(Algorithm):
         if self.peer_selection_mode == "shift_one" and world_size % 2:
             raise BaguaXError(f"Decentralized(peer_selection_mode='shift_one') needs an even world size, got {world_size}")
         return {"step": counter(namespace(flat))}
+
+    def wire_bytes(self, numel, itemsize, world_size):
+        if self.peer_selection_mode == "all":
+            return ring_allreduce_bytes(numel, itemsize, world_size) / self.communication_interval
+        return numel * itemsize / self.communication_interval
 
     def reduce(self, flat, state, comm):
         step = state["step"]

@@ -6,7 +6,7 @@ import dataclasses
 
 from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
-from .base import Algorithm, Phase, Target, counter, every, namespace
+from .base import Algorithm, Phase, Target, counter, every, namespace, ring_allreduce_bytes
 
 __all__ = ["ModelAverage", "AsyncModelAverage", "async_average_delta"]
 
@@ -24,6 +24,9 @@ class ModelAverage(Algorithm):
 
     def init(self, flat, world_size):
         return {"step": counter(namespace(flat))}
+
+    def wire_bytes(self, numel, itemsize, world_size):
+        return ring_allreduce_bytes(numel, itemsize, world_size) / self.period
 
     def reduce(self, flat, state, comm):
         step = state["step"] + 1  # average after steps period, 2*period, ...

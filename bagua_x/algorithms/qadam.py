@@ -1,0 +1,103 @@
+"""QAdam: Adam whose first moment, not the gradient, is communicated -- 8-bit compressed.
+
+Step ``t`` (1-based) with ``g = grad + weight_decay * param``:
+
+* warmup (``t <= warmup_steps``): plain Adam on allreduce-averaged gradients,
+  ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``.
+* afterwards ``v`` is frozen; each rank updates ``m`` with its local ``g`` and
+  the momentum is averaged with ByteGrad's compressed allreduce.
+
+The update is ``p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``.
+Bagua counts the switch slightly differently (its last warmup step updates no
+moment); here step ``warmup_steps`` is an ordinary Adam step.  Bagua declares
+``weight_decay`` but ignores it; here it is Adam's L2 term.
+
+The pieces are Array API functions so both frontends share them: JAX runs
+:meth:`QAdam.step` on flat buckets inside its optax transformation; torch
+updates each parameter's ``exp_avg`` in the backward hook and communicates it
+through the bucket (the optimizer state is the effective tensor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..core.comm import ReduceOp
+from ..core.errors import BaguaXError
+from .base import Algorithm, Target, compressed_bytes, counter, namespace
+from .bytegrad import compressed_allreduce
+
+__all__ = ["QAdam", "adam_moments", "momentum_update", "adam_direction"]
+
+
+def adam_moments(m, v, g, beta1: float, beta2: float):
+    return beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
+
+
+def momentum_update(m, g, beta1: float):
+    return beta1 * m + (1 - beta1) * g
+
+
+def adam_direction(m, v, t, lr: float, beta1: float, beta2: float, eps: float):
+    """The additive update ``-lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)``; ``t`` may be an array."""
+    xp = namespace(m)
+    tf = xp.astype(t, m.dtype) if hasattr(t, "dtype") else float(t)
+    bc1 = 1 - beta1**tf
+    bc2 = 1 - beta2**tf
+    return -(lr / bc1) * m / (xp.sqrt(v) / bc2**0.5 + eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class QAdam(Algorithm):
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    target = Target.MOMENTUM
+
+    def __post_init__(self):
+        if self.warmup_steps < 0 or not (0 <= self.betas[0] < 1 and 0 <= self.betas[1] < 1) or self.lr < 0:
+            raise BaguaXError(
+                f"QAdam: need lr >= 0, warmup_steps >= 0 and betas in [0, 1); got lr={self.lr}, "
+                f"warmup_steps={self.warmup_steps}, betas={self.betas}"
+            )
+
+    def alignment(self, world_size):
+        return world_size
+
+    def wire_bytes(self, numel, itemsize, world_size):
+        return compressed_bytes(numel, world_size)  # after warmup
+
+    def is_warmup(self, step: int) -> bool:
+        """Whether 1-based step ``step`` communicates gradients (True) or momentum."""
+        return step <= self.warmup_steps
+
+    def init(self, flat, world_size):
+        xp = namespace(flat)
+        return {"step": counter(xp), "m": xp.zeros_like(flat), "v": xp.zeros_like(flat)}
+
+    def step(self, grad, param, state, comm):
+        """One QAdam step on a flat bucket: returns ``(update, new_state)`` (optax style)."""
+        xp = namespace(grad)
+        b1, b2 = self.betas
+        t = state["step"] + 1
+        g = grad + self.weight_decay * param if self.weight_decay else grad
+
+        def warmup(carry):
+            m, v, g = carry
+            m, v = adam_moments(m, v, comm.allreduce(g, ReduceOp.AVG), b1, b2)
+            return m, v, g
+
+        def compressed(carry):
+            m, v, g = carry
+            return compressed_allreduce(momentum_update(m, g, b1), comm, average=True), v, g
+
+        after = xp.astype(t > self.warmup_steps, xp.int32)
+        m, v, _ = comm.switch(after, [warmup, compressed], (state["m"], state["v"], g))
+        update = adam_direction(m, v, t, self.lr, b1, b2, self.eps)
+        return update, {"step": t, "m": m, "v": v}
+
+    def reduce(self, flat, state, comm):
+        raise BaguaXError("QAdam is an optimizer: use QAdamOptimizer (torch) or bagua_x.jax.qadam (JAX)")

@@ -1,0 +1,71 @@
+"""MinMaxUInt8 against the numpy reference, and its robustness on extreme inputs."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import reference as ref
+from bagua_x.algorithms.compression import compress_rows, decompress_rows, quantize_roundtrip
+
+
+def assert_within_one_step(x, y):
+    """One step (max - min)/255, plus float32 rounding of values as large as x's."""
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    big = max(1.0, float(np.abs(x64).max()))
+    step = (x64.max() - x64.min()) / 255 + 1e-7 * big
+    assert np.all(np.abs(y64 - x64) <= step * 1.01 + 1e-6 * big)
+
+
+def test_matches_bagua_formula_on_ordinary_gradients():
+    x = np.random.default_rng(0).standard_normal((4, 1000)).astype(np.float32) * 0.1
+    q, mm = compress_rows(x)
+    assert q.dtype == np.uint8
+    for row, qrow, mmrow in zip(x, q, mm):
+        rq, mn, mx = ref.quantize(row)
+        assert mmrow[0] == mn and mmrow[1] == mx
+        assert np.abs(qrow.astype(int) - rq.astype(int)).max() <= 1
+        assert np.abs(decompress_rows(qrow[None], mmrow[None])[0] - ref.dequantize(rq, mn, mx)).max() \
+            <= ref.step_size(row) * 1.001
+
+
+def test_is_really_quantized():
+    x = np.linspace(-1, 1, 10_000, dtype=np.float32)
+    assert len(np.unique(quantize_roundtrip(x))) <= 256
+
+
+@pytest.mark.parametrize("x", [
+    np.zeros(16, np.float32),
+    np.full(16, 3.5, np.float32),
+    np.full(16, 1e30, np.float32),
+    np.array([1e38, -1e38, 0.0, 1.0], np.float32),
+    np.array([1e-40, -1e-41, 0.0, 1e-45], np.float32),
+    np.array([np.finfo(np.float32).max, np.finfo(np.float32).min], np.float32),
+])
+def test_extreme_inputs_stay_finite_and_within_a_step(x):
+    y = quantize_roundtrip(x)
+    assert np.all(np.isfinite(y))
+    assert_within_one_step(x, y)
+
+
+@settings(max_examples=200, deadline=None)
+@given(hnp.arrays(np.float32, st.integers(1, 300),
+                  elements=st.floats(-1.0000000150474662e+30, 1.0000000150474662e+30, allow_nan=False, allow_infinity=False, width=32)))
+def test_round_trip_error_is_within_one_step(x):
+    y = quantize_roundtrip(x)
+    assert np.all(np.isfinite(y))
+    assert_within_one_step(x, y)
+
+
+def test_torch_and_jax_give_the_numpy_result():
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    x = np.random.default_rng(1).standard_normal((3, 257)).astype(np.float32)
+    qn, mn = compress_rows(x)
+    qt, mt = compress_rows(torch.from_numpy(x))
+    qj, mj = compress_rows(jnp.asarray(x))
+    assert np.array_equal(qn, qt.numpy()) and np.array_equal(qn, np.asarray(qj))
+    assert np.array_equal(mn, mt.numpy()) and np.array_equal(mn, np.asarray(mj))
+    assert np.allclose(decompress_rows(qn, mn), decompress_rows(qt, mt).numpy(), rtol=0, atol=1e-6)
+    assert np.allclose(decompress_rows(qn, mn), np.asarray(decompress_rows(qj, mj)), rtol=0, atol=1e-6)
