@@ -1,18 +1,28 @@
-"""The ``bagua-x`` command: ``demo`` and ``bench``."""
+"""The ``bagua-x`` command: ``demo`` trains with every algorithm in both frontends; ``bench`` measures speed."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="bagua-x", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="train a small classifier with every algorithm, both frontends")
-    sub.add_parser("bench", help="run the benchmarks and print ratios")
+    from .apps import demo
+
+    demo.add_arguments(sub.add_parser("demo", help="train a small classifier with every algorithm, both frontends"))
+    sub.add_parser("bench", help="run the benchmarks of benchmarks/ and print ratios")
     args = parser.parse_args(argv)
-    print(f"bagua-x {args.command}: not implemented yet (see the open issues)")
+    if getattr(args, "bandwidth", None) and "BAGUA_X_LINK" not in os.environ:
+        from .apps.launch import rerun_in_capped_namespace
+
+        return rerun_in_capped_namespace(args.bandwidth, argv)
+    if args.command == "demo":
+        return demo.main(args)
+    print("bagua-x bench: not implemented yet; run the scripts in benchmarks/ directly")
     return 0
 
 

@@ -10,9 +10,10 @@ from .dlpack import BufferInfo, buffer_info, check_writable, data_pointer, is_ja
 from .errors import BaguaXError
 from .readiness import BucketDispatcher
 from .tensor import RegisteredTensor, TensorRegistry
+from .validation import check_same_everywhere, describe, first_mismatch
 
 __all__ = [
     "BaguaXError", "BufferInfo", "buffer_info", "check_writable", "data_pointer", "is_jax_owned",
     "RegisteredTensor", "TensorRegistry", "Bucket", "BucketLayout", "Slot", "plan_buckets",
-    "BucketDispatcher", "Communicator", "ReduceOp",
+    "BucketDispatcher", "Communicator", "ReduceOp", "describe", "first_mismatch", "check_same_everywhere",
 ]

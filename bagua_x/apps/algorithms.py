@@ -1,0 +1,24 @@
+"""The algorithms the demo and benchmarks run, by short name, with settings suited to a small model."""
+
+from __future__ import annotations
+
+from ..algorithms import (
+    ByteGrad, Decentralized, GradientAllReduce, LowPrecisionDecentralized, ModelAverage, QAdam,
+)
+
+NAMES = ["allreduce", "bytegrad", "decentralized", "lowprec", "qadam", "model_average"]
+
+
+def make(name: str, steps: int):
+    """A fresh algorithm instance for the demo's ``name``."""
+    factories = {
+        "allreduce": lambda: GradientAllReduce(),
+        "bytegrad": lambda: ByteGrad(),
+        "decentralized": lambda: Decentralized(peer_selection_mode="all"),
+        "lowprec": lambda: LowPrecisionDecentralized(),
+        "qadam": lambda: QAdam(lr=3e-3, warmup_steps=max(steps // 5, 1)),
+        "model_average": lambda: ModelAverage(period=4),
+    }
+    if name not in factories:
+        raise SystemExit(f"unknown algorithm {name!r}; choose from {', '.join(NAMES)}")
+    return factories[name]()
