@@ -16,7 +16,7 @@ def make(name: str, steps: int):
         "bytegrad": lambda: ByteGrad(),
         "decentralized": lambda: Decentralized(peer_selection_mode="all"),
         "lowprec": lambda: LowPrecisionDecentralized(),
-        "qadam": lambda: QAdam(lr=3e-3, warmup_steps=max(steps // 5, 1)),
+        "qadam": lambda: QAdam(lr=3e-3, warmup_steps=max(steps // 5, 50)),  # a short warmup freezes v too early
         "model_average": lambda: ModelAverage(period=4),
     }
     if name not in factories:

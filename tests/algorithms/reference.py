@@ -101,3 +101,26 @@ def model_average(xs, step, period):
     if (step + 1) % period:
         return [x.copy() for x in xs]
     return allreduce(xs, average=True)
+
+
+def qadam(param, grads, lr, warmup_steps, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+    """QAdam on one flat parameter shared by all ranks; ``grads[t][r]`` is rank r's gradient at step t+1.
+
+    Returns the parameter after every step (the same on all ranks).
+    """
+    b1, b2 = betas
+    p = np.asarray(param, np.float64).copy()
+    m, v = np.zeros_like(p), np.zeros_like(p)
+    history = []
+    for t, per_rank in enumerate(grads, start=1):
+        gs = [np.asarray(g, np.float64) + weight_decay * p for g in per_rank]
+        if t <= warmup_steps:
+            g = np.mean(gs, axis=0)
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g * g
+        else:
+            local = [(b1 * m + (1 - b1) * g).astype(np.float32) for g in gs]
+            m = bytegrad(local, average=True)[0].astype(np.float64)
+        p = p - lr / (1 - b1**t) * m / (np.sqrt(v) / np.sqrt(1 - b2**t) + eps)
+        history.append(p.astype(np.float32))
+    return history

@@ -1,0 +1,24 @@
+"""bagua_x for JAX: data-parallel ``pmap`` / ``shard_map`` training with bagua_x algorithms.
+
+    bagua_x.jax.init_distributed()             # multi-process: torchrun-style env, gloo on CPU
+    dp = bagua_x.jax.wrap(params, algorithm=ByteGrad(), axis_name="batch")
+    tx = optax.chain(dp.gradient_transformation(), optax.adam(1e-3))
+    params, opt_state = dp.replicate(params), dp.replicate(tx.init(params))
+    # inside jax.pmap(step, axis_name="batch"): tx.update communicates the gradients
+    # (or explicitly: grads, state = dp.reduce_gradients(grads, state), state from dp.init())
+
+Weight algorithms (Decentralized, LowPrecisionDecentralized, ModelAverage) use
+``params, state = dp.sync_params(params, state)`` at the point their
+``phase`` names; QAdam is an optimizer, ``dp.qadam()``.  Under
+``jax.shard_map`` pass ``mesh`` to ``replicate``/``init`` (see :mod:`.placement`).
+
+The algorithms are the framework-free ones of :mod:`bagua_x.algorithms`,
+traced by JAX through :class:`AxisCommunicator` (XLA collectives).
+"""
+
+from .communicator import AxisCommunicator
+from .distributed import init_distributed
+from .placement import replicate, unreplicate
+from .wrap import DataParallel, wrap
+
+__all__ = ["AxisCommunicator", "DataParallel", "wrap", "init_distributed", "replicate", "unreplicate"]

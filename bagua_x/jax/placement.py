@@ -1,0 +1,64 @@
+"""Putting trees on the devices the way a pmap or shard_map step reads them.
+
+Three layouts:
+
+* pmap (``mesh=None``): every leaf gets a leading axis of the local devices,
+  one copy per device, sharded along it -- what ``jax.pmap`` takes (each
+  process passes its local devices' rows).
+* shard_map (a ``Mesh``): a global array replicated on every device of the
+  mesh (``PartitionSpec()``), to pass with ``in_specs=P()``: params and
+  optimizer state of gradient algorithms, which stay identical everywhere.
+* shard_map, ``per_device=True``: a global array with a leading axis of the
+  mesh axis's devices, sharded along it (``in_specs=P(axis_name)``; each device
+  sees a leading axis of 1, so index ``[0]`` inside the step and add it back
+  with ``[None]``): for values that differ per device, such as the params of
+  weight algorithms (decentralized training) and their state.
+
+In a multi-process run process 0's values are broadcast first, so processes
+that initialised their params from different seeds still start identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Optional
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = ["replicate", "unreplicate", "from_process0"]
+
+
+def from_process0(tree: Any) -> Any:
+    """Process 0's values of ``tree`` as host (numpy) arrays on every process."""
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.broadcast_one_to_all(jax.device_get(tree))
+
+
+def replicate(tree: Any, axis_name: Hashable, mesh: Optional[Mesh] = None, per_device: bool = False) -> Any:
+    """Process 0's ``tree`` on every device, in one of the layouts above."""
+    host = from_process0(tree)
+    if mesh is None:
+        devices = jax.local_devices()
+        stacked = NamedSharding(Mesh(np.array(devices), (axis_name,)), PartitionSpec(axis_name))
+        return jax.tree.map(lambda x: jax.device_put(np.stack([x] * len(devices)), stacked), host)
+    if per_device:
+        n = mesh.shape[axis_name]
+        host = jax.tree.map(lambda x: np.broadcast_to(x, (n,) + np.shape(x)), host)
+    sharding = NamedSharding(mesh, PartitionSpec(axis_name) if per_device else PartitionSpec())
+    return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]), host)
+
+
+def _first_copy(x):
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)[0]
+    local = x.addressable_data(0)
+    spec = getattr(x.sharding, "spec", None)
+    stacked = spec is None or (len(spec) > 0 and spec[0] is not None)
+    return local[0] if stacked else local
+
+
+def unreplicate(tree: Any) -> Any:
+    """The first local device's copy of each leaf (pmap layout or mesh-replicated)."""
+    return jax.tree.map(_first_copy, tree)

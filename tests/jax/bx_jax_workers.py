@@ -1,0 +1,356 @@
+"""Shared pieces of the JAX tests: a small MLP, reference loops, and the multi-process workers.
+
+Workers run in ``tests.launch.run_workers`` subprocesses with 2 CPU devices each
+(XLA_FLAGS) and ``bagua_x.jax.init_distributed()`` from the torchrun-style env.
+Single-process tests import the same model and loops, so both check one thing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+IN, HIDDEN, OUT = 6, 16, 3
+
+
+def make_params(seed: int):
+    import jax
+    import jax.numpy as jnp
+
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    return {
+        "l1": {"w": jax.random.normal(k1, (IN, HIDDEN)) * 0.4, "b": jnp.zeros(HIDDEN)},
+        "l2": {"w": jax.random.normal(k2, (HIDDEN, OUT)) * 0.3, "b": jnp.zeros(OUT)},
+    }
+
+
+def loss_fn(params, x, y):
+    import jax
+    import jax.numpy as jnp
+
+    h = jax.nn.tanh(x @ params["l1"]["w"] + params["l1"]["b"])
+    out = h @ params["l2"]["w"] + params["l2"]["b"]
+    return jnp.mean((out - y) ** 2)
+
+
+# _one_step_in_flight: the loops below wait for each step before dispatching the next.  With more
+# forced CPU devices than cores (4 on this 2-core machine) and several pmap steps in flight, XLA's
+# CPU runtime (jaxlib 0.10.2) can deadlock under load: two devices wait at a collective's rendezvous
+# while the other two never start ("Termination timeout for `all reduce RendezvousKey...`", abort).
+# Seen only with steps pipelined; one step in flight never hung in stress runs.
+
+
+def make_data(steps: int, ndev: int, per_device: int = 8, seed: int = 1):
+    """Per-step global batches ``(steps, ndev, per_device, ...)`` of a fixed random regression task."""
+    rng = np.random.default_rng(seed)
+    teacher = rng.normal(size=(IN, OUT)).astype(np.float32)
+    x = rng.normal(size=(steps, ndev, per_device, IN)).astype(np.float32)
+    return x, np.tanh(x @ teacher).astype(np.float32)
+
+
+def reference_pmap(params, x, y, lr: float = 1e-2):
+    """The plain data-parallel loop bagua_x must match: lax.pmean of grads, then optax.adam."""
+    import jax
+    import optax
+
+    tx = optax.adam(lr)
+
+    def step(p, o, xb, yb):
+        g = jax.grad(loss_fn)(p, xb, yb)
+        g = jax.lax.pmean(g, "batch")
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    n = x.shape[1]
+    stack = lambda t: jax.tree.map(lambda a: np.stack([np.asarray(a)] * n), t)  # noqa: E731
+    p, o = stack(params), stack(tx.init(params))
+    f = jax.pmap(step, axis_name="batch")
+    for s in range(x.shape[0]):
+        p, o = jax.block_until_ready(f(p, o, x[s], y[s]))  # see _one_step_in_flight
+    return jax.tree.map(lambda a: np.asarray(a[0]), p)
+
+
+def bagua_pmap(dp, params, x, y, lr: float = 1e-2, chain: bool = False, traces: list | None = None,
+               every_device: bool = False):
+    """Train with ``dp`` under pmap, as a user would (the demo's loop).
+
+    Gradient algorithms: reduce_gradients then adam, or (``chain``)
+    ``optax.chain(dp.gradient_transformation(), adam)``; weight algorithms:
+    sync_params where their phase says; QAdam: ``dp.qadam()`` as the optimizer.
+    Returns the first device's params, or with ``every_device`` all of them.
+    """
+    import jax
+    import optax
+
+    from bagua_x.algorithms import Phase, QAdam
+
+    if isinstance(dp.algorithm, QAdam):
+        tx = dp.qadam()
+    else:
+        tx = optax.chain(dp.gradient_transformation(), optax.adam(lr)) if chain else optax.adam(lr)
+    sync_first = dp.algorithm.phase is Phase.BEFORE_FORWARD
+
+    def step(p, o, st, xb, yb):
+        if traces is not None:
+            traces.append(1)
+        g = jax.grad(loss_fn)(p, xb, yb)
+        if not chain:
+            g, st = dp.reduce_gradients(g, st)
+        if sync_first:
+            p, st = dp.sync_params(p, st)
+        u, o = tx.update(g, o, p)
+        p = optax.apply_updates(p, u)
+        if not sync_first:
+            p, st = dp.sync_params(p, st)
+        return p, o, st
+
+    p = dp.replicate(params)
+    o, st = dp.replicate(tx.init(params)), dp.init()
+    f = jax.pmap(step, axis_name="batch")
+    for s in range(x.shape[0]):
+        p, o, st = jax.block_until_ready(f(p, o, st, x[s], y[s]))  # see _one_step_in_flight
+    if every_device:
+        return jax.tree.map(np.asarray, p)
+    return jax.tree.map(np.asarray, dp.unreplicate(p))
+
+
+def bagua_shard_map(dp, params, x, y, mesh, lr: float = 1e-2):
+    """The same training under jax.jit(jax.shard_map(...)) on ``mesh``, data sharded along "batch".
+
+    Gradient algorithms: params and optimizer state replicated (``P()``), the
+    transformation chained.  Weight algorithms: params, optimizer state and
+    bagua_x state per device (``P("batch")``, unstacked inside the step).
+    Returns the first device's params.
+    """
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from bagua_x.algorithms import Phase, Target
+
+    per_device = dp.algorithm.target is Target.WEIGHT
+    tx = optax.chain(dp.gradient_transformation(), optax.adam(lr))
+    sync_first = dp.algorithm.phase is Phase.BEFORE_FORWARD
+    own = lambda t: jax.tree.map(lambda a: a[0], t) if per_device else t  # noqa: E731
+    back = lambda t: jax.tree.map(lambda a: a[None], t) if per_device else t  # noqa: E731
+
+    def step(p, o, st, xb, yb):
+        p, o, st = own(p), own(o), jax.tree.map(lambda a: a[0], st)
+        g = jax.grad(loss_fn)(p, xb[0], yb[0])
+        if sync_first:
+            p, st = dp.sync_params(p, st)
+        u, o = tx.update(g, o, p)
+        p = optax.apply_updates(p, u)
+        if not sync_first:
+            p, st = dp.sync_params(p, st)
+        return back(p), back(o), jax.tree.map(lambda a: a[None], st)
+
+    spec = P("batch") if per_device else P()
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec, P("batch"), P("batch"), P("batch")),
+                              out_specs=(spec, spec, P("batch"))))
+    p, o = dp.replicate(params, mesh, per_device), dp.replicate(tx.init(params), mesh, per_device)
+    st = dp.init(mesh=mesh)
+    data = NamedSharding(mesh, P("batch"))
+    nlocal = len(mesh.local_devices)
+    first = nlocal * jax.process_index()
+    for s in range(x.shape[0]):
+        xs, ys = (jax.make_array_from_process_local_data(data, a[s][first : first + nlocal], a[s].shape)
+                  for a in (x, y))
+        p, o, st = jax.block_until_ready(f(p, o, st, xs, ys))  # see _one_step_in_flight
+    return jax.tree.map(np.asarray, dp.unreplicate(p))
+
+
+# -- AxisCommunicator ops on every device, under pmap and shard_map -----------------------------------------
+
+ROWS = 3  # payload per rank: (size, ROWS)
+
+
+def rank_inputs(r: int, n: int):
+    """Rank ``r``'s float and uint8 payloads (shape (n, ROWS)) and its scalar."""
+    x = (np.arange(n * ROWS, dtype=np.float32).reshape(n, ROWS) + 1) * (r + 1) - 7 * r
+    u = ((np.arange(n * ROWS).reshape(n, ROWS) * 37 + 101 * r) % 256).astype(np.uint8)
+    return x, u
+
+
+def _ops(x, u):
+    import jax.numpy as jnp
+
+    from bagua_x.core import ReduceOp
+    from bagua_x.jax import AxisCommunicator
+
+    c = AxisCommunicator("batch")
+    n = c.size
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    return {
+        "rank": c.rank,
+        "sum": c.allreduce(x, ReduceOp.SUM), "avg": c.allreduce(x, ReduceOp.AVG),
+        "min": c.allreduce(x, ReduceOp.MIN), "max": c.allreduce(x, ReduceOp.MAX),
+        "allgather": c.allgather(x), "alltoall": c.alltoall(x),
+        "rs_sum": c.reduce_scatter(x, ReduceOp.SUM), "rs_avg": c.reduce_scatter(x, ReduceOp.AVG),
+        "rs_max": c.reduce_scatter(x, ReduceOp.MAX),
+        "bcast": c.broadcast(x, root=1), "ring": c.permute(x, ring), "partial": c.permute(x, [(0, 2)]),
+        "u8_allgather": c.allgather(u), "u8_alltoall": c.alltoall(u), "u8_ring": c.permute(u, ring),
+        "u8_bcast": c.broadcast(u, root=n - 1),
+        "switch": c.switch(c.rank % 2, [lambda v: v + 1, lambda v: v * 2], x),
+        "switch_int": c.switch(1, [lambda v: v + 1, lambda v: v * 2], x),
+        "switch_dtype": jnp.asarray(c.switch(c.rank % 2, [lambda v: v, lambda v: v + 1], u)),
+    }
+
+
+def expected_ops(n: int) -> dict:
+    """What every rank must get, from numpy."""
+    xs, us = zip(*(rank_inputs(r, n) for r in range(n)))
+    xs, us = np.stack(xs), np.stack(us)
+    every = lambda a: np.stack([a] * n)  # noqa: E731
+    ring_src = [(r - 1) % n for r in range(n)]
+    return {
+        "rank": np.arange(n),
+        "sum": every(xs.sum(0)), "avg": every(xs.mean(0)), "min": every(xs.min(0)), "max": every(xs.max(0)),
+        "allgather": every(xs), "alltoall": xs.transpose(1, 0, 2),
+        "rs_sum": xs.sum(0), "rs_avg": xs.mean(0), "rs_max": xs.max(0),
+        "bcast": every(xs[1]), "ring": xs[ring_src],
+        "partial": np.stack([xs[0] if r == 2 else np.zeros_like(xs[0]) for r in range(n)]),
+        "u8_allgather": every(us), "u8_alltoall": us.transpose(1, 0, 2), "u8_ring": us[ring_src],
+        "u8_bcast": every(us[n - 1]),
+        "switch": np.stack([xs[r] + 1 if r % 2 == 0 else xs[r] * 2 for r in range(n)]),
+        "switch_int": xs * 2,
+        "switch_dtype": np.stack([us[r] + (r % 2) for r in range(n)]).astype(np.uint8),
+    }
+
+
+def run_ops() -> dict:
+    """``_ops`` under pmap and under shard_map on every device; full (all-rank) numpy results."""
+    import jax
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    n, nlocal, proc = jax.device_count(), jax.local_device_count(), jax.process_index()
+    mine = [rank_inputs(r, n) for r in range(proc * nlocal, (proc + 1) * nlocal)]
+    x, u = (np.stack(a) for a in zip(*mine))
+    gather = lambda t: jax.tree.map(  # noqa: E731
+        lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)) if jax.process_count() > 1
+        else np.asarray(a), t)
+    results = {"pmap": gather(jax.pmap(_ops, axis_name="batch")(x, u))}
+    mesh = jax.make_mesh((n,), ("batch",))
+    sharded = NamedSharding(mesh, P("batch"))
+    xg, ug = (jax.make_array_from_process_local_data(sharded, a, (n,) + a.shape[1:]) for a in (x, u))
+    body = lambda xb, ub: jax.tree.map(lambda v: v[None], _ops(xb[0], ub[0]))  # noqa: E731
+    out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("batch"), P("batch")), out_specs=P("batch")))(xg, ug)
+    results["shard_map"] = jax.tree.map(
+        lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), out)
+    return results
+
+
+def _multiprocess(fn):
+    """Run ``fn`` between ``init_distributed()`` and ``jax.distributed.shutdown()``.
+
+    The shutdown is a barrier: tests/launch.py ends workers with ``os._exit``,
+    which skips JAX's atexit shutdown, and a process that exits while its peer
+    still reads from it resets the peer's gloo connection.
+    """
+
+    @functools.wraps(fn)
+    def run(*args):
+        import jax
+
+        import bagua_x.jax as bxj
+
+        bxj.init_distributed()
+        assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.device_count())
+        try:
+            return fn(*args)
+        finally:
+            jax.distributed.shutdown()
+
+    return run
+
+
+# -- multi-process workers (2 processes x 2 CPU devices) --------------------------------------------------
+
+
+@_multiprocess
+def communicator_worker():
+    """Every AxisCommunicator op across processes, under pmap and shard_map (all ranks' outputs)."""
+    return run_ops()
+
+
+@_multiprocess
+def parity_worker(steps: int):
+    """bagua_x training vs the plain pmean loop, pmap / chain / shard_map, from per-process random params."""
+    import jax
+
+    import bagua_x.jax as bxj
+    from bagua_x.jax.placement import from_process0
+
+    rank = jax.process_index()
+    params = make_params(seed=100 + rank)  # processes start apart: replicate() must broadcast process 0's
+    x, y = make_data(steps, 4)
+    local = slice(2 * rank, 2 * rank + 2)
+    ref = reference_pmap(from_process0(params), x[:, local], y[:, local])
+    dp = bxj.wrap(params)
+    out = {
+        "ref": ref,
+        "pmap": bagua_pmap(dp, params, x[:, local], y[:, local]),
+        "chain": bagua_pmap(dp, params, x[:, local], y[:, local], chain=True),
+        "packed": dp.pack_buckets,
+    }
+    mesh = jax.make_mesh((4,), ("batch",))
+    out["shard_map"] = bagua_shard_map(dp, params, x, y, mesh)
+    from bagua_x.algorithms import ByteGrad
+
+    out["bytegrad"] = bagua_pmap(bxj.wrap(params, algorithm=ByteGrad()), params, x[:, local], y[:, local])
+    return out
+
+
+@_multiprocess
+def mismatch_worker():
+    """Process 1 has a differently shaped leaf: wrap must raise on both processes, naming it."""
+    import jax
+
+    import bagua_x.jax as bxj
+
+    params = make_params(0)
+    if jax.process_index() == 1:
+        params["l2"]["b"] = np.zeros(OUT + 1, np.float32)
+    bxj.wrap(params)
+    return "no error"
+
+
+def algorithm_inputs(step: int, n: int, numel: int = 32):
+    """Every rank's flat input at ``step`` (the same on every process)."""
+    rng = np.random.default_rng(step)
+    return [rng.normal(size=numel).astype(np.float32) * (1 + r) for r in range(n)]
+
+
+@_multiprocess
+def algorithms_worker(steps: int):
+    """ByteGrad, Decentralized (shift_one), LowPrecisionDecentralized, ModelAverage across processes.
+
+    Returns, per algorithm, every step's outputs of all 4 ranks (gathered), for
+    comparison with tests/algorithms/reference.py.
+    """
+    import jax
+    from jax.experimental import multihost_utils
+
+    from bagua_x.algorithms import ByteGrad, Decentralized, LowPrecisionDecentralized, ModelAverage
+    from bagua_x.jax import AxisCommunicator
+
+    n, nlocal = jax.device_count(), jax.local_device_count()
+    mine = slice(jax.process_index() * nlocal, (jax.process_index() + 1) * nlocal)
+    algorithms = {
+        "bytegrad": ByteGrad(), "shift_one": Decentralized(peer_selection_mode="shift_one"),
+        "lowprec": LowPrecisionDecentralized(), "model_average": ModelAverage(period=2),
+    }
+    results = {}
+    for name, algorithm in algorithms.items():
+        reduce = jax.pmap(lambda x, st, a=algorithm: a.reduce(x, st, AxisCommunicator("batch")), axis_name="batch")
+        first = np.stack(algorithm_inputs(0, n)[mine])
+        # (a multi-process pmap with no outputs fails in jax 0.10.2: ByteGrad's state is {})
+        state = {} if name == "bytegrad" else jax.pmap(lambda x, a=algorithm: a.init(x, n), axis_name="batch")(first)
+        outs = []
+        for s in range(steps):
+            out, state = jax.block_until_ready(reduce(np.stack(algorithm_inputs(s, n)[mine]), state))
+            outs.append(np.asarray(multihost_utils.process_allgather(out, tiled=True)))
+        results[name] = outs
+    return results

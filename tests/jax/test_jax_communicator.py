@@ -1,0 +1,59 @@
+"""AxisCommunicator against numpy: 4 devices in one process, and 2 processes x 2 devices over gloo."""
+
+import os
+
+import numpy as np
+import pytest
+
+import bx_jax_workers as w
+from launch import run_workers
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MULTI_ENV = {"PYTHONPATH": HERE, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+
+
+def _compare(results, n):
+    expected = w.expected_ops(n)
+    for mode, got in results.items():
+        for name, want in expected.items():
+            assert got[name].shape == want.shape, (mode, name, got[name].shape, want.shape)
+            assert got[name].dtype.kind == want.dtype.kind or name == "rank", (mode, name, got[name].dtype)
+            np.testing.assert_allclose(got[name], want, rtol=1e-6, err_msg=f"{mode} {name}")
+
+
+def test_ops_single_process_pmap_and_shard_map():
+    import jax
+
+    assert jax.device_count() == 4
+    _compare(w.run_ops(), 4)
+
+
+def test_ops_two_processes_gloo():
+    results = run_workers("bx_jax_workers:communicator_worker", nproc=2, timeout=180, env=MULTI_ENV)
+    for r in results:
+        _compare(r, 4)
+
+
+def test_outside_the_axis_is_a_clear_error():
+    import jax.numpy as jnp
+
+    from bagua_x.core import BaguaXError
+    from bagua_x.jax import AxisCommunicator
+
+    with pytest.raises(BaguaXError, match="inside jax.pmap"):
+        AxisCommunicator("batch")
+    import jax
+
+    with pytest.raises(BaguaXError, match="'other' is not bound"):
+        jax.pmap(lambda x: AxisCommunicator("other").allreduce(x), axis_name="batch")(jnp.ones(4))
+
+
+def test_alltoall_needs_axis_sized_rows():
+    import jax
+    import jax.numpy as jnp
+
+    from bagua_x.core import BaguaXError
+    from bagua_x.jax import AxisCommunicator
+
+    with pytest.raises(BaguaXError, match="first dimension is the axis size 4"):
+        jax.pmap(lambda x: AxisCommunicator("batch").alltoall(x), axis_name="batch")(jnp.ones((4, 3)))
