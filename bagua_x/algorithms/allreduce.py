@@ -14,6 +14,7 @@ __all__ = ["GradientAllReduce"]
 class GradientAllReduce(Algorithm):
     average: bool = True
     hierarchical: bool = False
+    donates_input = True
 
     def reduce(self, flat, state, comm):
         op = ReduceOp.AVG if self.average else ReduceOp.SUM

@@ -43,6 +43,9 @@ class Algorithm:
 
     target = Target.GRAD
     phase = Phase.AFTER_BACKWARD
+    #: ``reduce`` never reads ``flat`` after handing it to its first collective, so a
+    #: frontend may let that collective work in place on the bucket buffer (no copy).
+    donates_input = False
 
     def alignment(self, world_size: int) -> int:
         """Bucket buffers are padded to a multiple of this many elements."""

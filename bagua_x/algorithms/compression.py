@@ -31,7 +31,7 @@ def _scale_bounds(xp, mn, mx):
 def compress_rows(x):
     """Quantise each row of float ``x`` (R, k) -> (uint8 (R, k), float32 (R, 2) holding min and max)."""
     xp = namespace(x)
-    x = xp.astype(x, xp.float32)
+    x = xp.astype(x, xp.float32, copy=False)
     mn = xp.min(x, axis=1, keepdims=True)
     mx = xp.max(x, axis=1, keepdims=True)
     scale, lower, upper = _scale_bounds(xp, mn, mx)

@@ -40,6 +40,10 @@ class Decentralized(Algorithm):
     target = Target.WEIGHT
     phase = Phase.BEFORE_FORWARD
 
+    @property
+    def donates_input(self) -> bool:  # shift_one reads x again after the exchange
+        return self.peer_selection_mode == "all"
+
     def __post_init__(self):
         if self.peer_selection_mode not in ("all", "shift_one"):
             raise BaguaXError(

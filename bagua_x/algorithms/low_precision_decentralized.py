@@ -55,7 +55,7 @@ class LowPrecisionDecentralized(Algorithm):
             x = w + xp.reshape(decompress_rows(q, mm), x.shape)
             return x, x, left, right
 
-        carry = (xp.astype(flat, xp.float32), state["w"], state["left"], state["right"])
+        carry = (xp.astype(flat, xp.float32, copy=False), state["w"], state["left"], state["right"])
         x, w, left, right = every(comm, state["step"], self.communication_interval, communicate, carry)
         new_state = {"step": state["step"] + 1, "w": w, "left": left, "right": right}
         return xp.astype(x, flat.dtype), new_state

@@ -14,6 +14,7 @@ __all__ = ["ModelAverage", "AsyncModelAverage", "async_average_delta"]
 @dataclasses.dataclass(frozen=True)
 class ModelAverage(Algorithm):
     period: int = 1
+    donates_input = True
 
     target = Target.WEIGHT
     phase = Phase.AFTER_STEP

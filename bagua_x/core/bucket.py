@@ -108,7 +108,7 @@ class Bucket:
         self.name = name
         self.tensors = list(tensors)
         self.layout = BucketLayout([t.name for t in tensors], [i.shape for i in infos], first.dtype, alignment)
-        self.dtype, self.device = first.dtype, first.device
+        self.dtype, self.device, self.itemsize = first.dtype, first.device, first.itemsize
         self.buffer = None
         self._ready: set[str] = set()
         self.on_ready: Optional[Callable[["Bucket"], None]] = None
@@ -120,7 +120,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.layout.padded_numel * buffer_info(self.tensors[0].effective()).itemsize
+        return self.layout.padded_numel * self.itemsize
 
     # -- storage swapping ------------------------------------------------------------------
     def flatten(self) -> None:
@@ -137,7 +137,7 @@ class Bucket:
         """Every effective tensor is still the view at its offset of the flat buffer."""
         if self.buffer is None:
             return False
-        return all(t.is_view_of(self.buffer, s.offset) for t, s in zip(self.tensors, self.layout.slots))
+        return all(t.is_view_of(self.buffer, s.offset, self.itemsize) for t, s in zip(self.tensors, self.layout.slots))
 
     def ensure_flattened(self) -> int:
         """Re-swap every effective tensor that was recreated since ``flatten()``; returns how many.
@@ -150,7 +150,7 @@ class Bucket:
             return len(self.tensors)
         swapped = 0
         for t, slot in zip(self.tensors, self.layout.slots):
-            if not t.is_view_of(self.buffer, slot.offset):
+            if not t.is_view_of(self.buffer, slot.offset, self.itemsize):
                 self._check_shape(t, slot)
                 t.set_registered_storage(self.buffer, slot.offset)
                 swapped += 1

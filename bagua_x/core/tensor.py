@@ -103,10 +103,14 @@ class RegisteredTensor:
             _repoint(t, view, self.name)
         self.offset = offset
 
-    def is_view_of(self, buffer, offset: int) -> bool:
-        """True when the effective tensor currently lives in ``buffer`` at ``offset``."""
+    def is_view_of(self, buffer, offset: int, itemsize: Optional[int] = None) -> bool:
+        """True when the effective tensor currently lives in ``buffer`` at ``offset``.
+
+        Pass ``itemsize`` when known (buckets cache it) to skip reading the buffer's DLPack header.
+        """
         t = self.effective()
-        return data_pointer(t) == data_pointer(buffer) + offset * buffer_info(buffer).itemsize
+        itemsize = itemsize or buffer_info(buffer).itemsize
+        return data_pointer(t) == data_pointer(buffer) + offset * itemsize
 
     def mark_ready(self) -> None:
         """Tell this tensor's bucket that its value is final for this step."""

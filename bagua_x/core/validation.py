@@ -17,13 +17,14 @@ __all__ = ["describe", "first_mismatch", "check_same_everywhere"]
 
 
 def describe(tensors: Iterable[tuple[str, Sequence[int], str]], settings: dict[str, Any]) -> list[tuple[str, Any]]:
-    """An ordered list of ``(what, value)``: each tensor's shape and dtype, then each setting."""
-    entries: list[tuple[str, Any]] = [("number of tensors", None)]
-    count = 0
+    """An ordered list of ``(what, value)``: each tensor's name, shape and dtype, their count, then each setting.
+
+    Tensors come first so that a missing or extra tensor is reported by name.
+    """
+    entries: list[tuple[str, Any]] = []
     for name, shape, dtype in tensors:
-        entries.append((f"tensor #{count}", (name, tuple(int(s) for s in shape), str(dtype))))
-        count += 1
-    entries[0] = ("number of tensors", count)
+        entries.append((f"tensor #{len(entries)}", (name, tuple(int(s) for s in shape), str(dtype))))
+    entries.append(("number of tensors", len(entries)))
     entries.extend((f"setting {key!r}", _plain(value)) for key, value in settings.items())
     return entries
 

@@ -1,0 +1,42 @@
+"""bagua_x for PyTorch: ``wrap(model, optimizer, algorithm=...)`` and a torch.distributed Communicator.
+
+Launch with ``torchrun --nproc_per_node N train.py`` (wrap() initialises
+torch.distributed from its environment: gloo on CPU, NCCL on CUDA)::
+
+    import bagua_x.torch as bxt
+    from bagua_x.algorithms import ByteGrad
+
+    model = bxt.wrap(model, optimizer, algorithm=ByteGrad())   # default: GradientAllReduce (what DDP does)
+    for x, y in data:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()   # buckets are communicated while backward runs
+        optimizer.step()
+
+What wrap() gives, DDP-style: rank 0's parameters and buffers on every rank
+(buffers re-broadcast before each forward, ``broadcast_buffers=False`` to
+skip), ``model.no_sync()`` for gradient accumulation, ``find_unused_parameters``,
+tied and frozen parameters, several dtypes (one bucket per dtype), gradients
+that are views of the bucket buffers (no copy), ``model.module`` and a
+``state_dict()`` with the bare model's keys.  A model or algorithm that
+differs across ranks raises a BaguaXError on every rank at wrap().
+
+Algorithms: gradient ones (GradientAllReduce, ByteGrad) run during backward;
+Decentralized exchanges weights during forward/backward; LowPrecisionDecentralized
+and ModelAverage act after ``optimizer.step()`` (pass the optimizer);
+QAdam is an optimizer: ``opt = QAdamOptimizer(model.parameters(), lr=..., warmup_steps=...)``
+then ``wrap(model, opt)``; after warmup its momentum is the communicated tensor (8-bit);
+AsyncModelAverage averages in a background thread (``model.abort()`` /
+``model.resume()`` on every rank; call ``model.abort()`` before exiting).
+Per-bucket algorithm state: ``model.algorithm_state_dict()`` /
+``model.load_algorithm_state_dict()``.  ``model.shutdown()`` removes hooks and threads.
+
+``bagua_x.torch.enable_bagua_api()`` adds Bagua's tensor methods
+(``ensure_bagua_tensor`` ...) to ``torch.Tensor``; see :mod:`bagua_x.torch.bagua_compat`.
+"""
+
+from .bagua_compat import enable_bagua_api
+from .communicator import TorchCommunicator
+from .qadam import QAdamOptimizer
+from .wrap import DistributedModel, wrap
+
+__all__ = ["wrap", "DistributedModel", "TorchCommunicator", "QAdamOptimizer", "enable_bagua_api"]

@@ -1,0 +1,176 @@
+"""AsyncModelAverage: weights averaged by a background thread while training goes on.
+
+As in Bagua, the first ``warmup_steps`` steps are ordinary synchronous
+gradient allreduce (a GradientEngine), so ranks start from a common point.
+Every ``sync_interval_ms`` (once ``warmup_steps`` optimizer steps are done) a
+thread on its own process group takes a snapshot ``s`` of the weights,
+allreduces it and, under the weight lock, adds ``allreduce_sum(s)/N - s`` to
+the live weights -- keeping the local progress made meanwhile.  The training
+thread holds the same lock from forward to the end of ``optimizer.step()``, so
+a gradient is always computed and applied on one consistent set of weights.
+
+Each round starts with a tiny allreduce of a stop flag, so ``abort()`` on any
+rank stops the threads of all ranks after the same round (no rank is left
+waiting in a collective).  ``abort()`` and ``resume()`` are collective: call
+them on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..algorithms.allreduce import GradientAllReduce
+from ..algorithms.base import Target
+from ..algorithms.model_average import AsyncModelAverage, async_average_delta
+from ..core.bucket import Bucket
+from ..core.comm import ReduceOp
+from ..core.errors import BaguaXError
+from .buckets import build_buckets, register_parameters
+from .communicator import TorchCommunicator
+from .grad_sync import GradientEngine
+
+__all__ = ["AsyncAverageEngine"]
+
+log = logging.getLogger(__name__)
+
+
+class AsyncAverageEngine:
+    def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: AsyncModelAverage,
+                 comm: TorchCommunicator, bucket_cap_mb: float, optimizer: Optional[torch.optim.Optimizer],
+                 find_unused_parameters: bool):
+        if optimizer is None:
+            raise BaguaXError(
+                "AsyncModelAverage locks the weights during optimizer.step(), so wrap() needs the optimizer: "
+                "bagua_x.torch.wrap(model, optimizer, algorithm=AsyncModelAverage(...))"
+            )
+        self.algorithm = algorithm
+        ranks = None if comm.group is None else dist.get_process_group_ranks(comm.group)
+        self.comm = TorchCommunicator(dist.new_group(ranks))  # its own group: never interleaves with others
+        tensors = register_parameters(named_params, Target.WEIGHT)
+        self.buckets: list[Bucket] = build_buckets(tensors, algorithm, self.comm.size, bucket_cap_mb, "weight_bucket_")
+        self._warmup: Optional[GradientEngine] = None
+        if algorithm.warmup_steps > 0:
+            self._warmup = GradientEngine(named_params, GradientAllReduce(), comm, bucket_cap_mb,
+                                          find_unused_parameters)
+        self._enabled = True
+        self.steps = 0
+        self.rounds = 0  # averaging rounds completed (for logs and tests)
+        self._lock = threading.Lock()
+        self._waiting = threading.Condition()  # the background thread asks for the lock: forward lets it in
+        self._waiters = 0
+        self._holding = False
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._hooks = [optimizer.register_step_post_hook(lambda *_: self._after_step())]
+
+    @property
+    def enabled(self) -> bool:
+        """False inside no_sync(): pauses the warm-up gradient allreduce (background averaging goes on)."""
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._enabled = value
+        if self._warmup is not None:
+            self._warmup.enabled = value
+
+    # -- training thread --------------------------------------------------------------------
+    def before_forward(self) -> None:
+        if self._warmup is not None:
+            self._warmup.before_forward()
+        if torch.is_grad_enabled() and not self._holding:
+            with self._waiting:  # Lock is not fair: without this a tight training loop could starve averaging
+                self._waiting.wait_for(lambda: self._waiters == 0)
+            self._lock.acquire()
+            self._holding = True
+
+    def _after_step(self) -> None:
+        if self._holding:
+            self._holding = False
+            self._lock.release()
+        self.steps += 1
+        if self.steps >= self.algorithm.warmup_steps:
+            if self._warmup is not None:
+                self._warmup.close()
+                self._warmup = None
+            if self._thread is None and not self._stop.is_set():
+                self._start()
+
+    # -- background thread ------------------------------------------------------------------
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="bagua_x-async-average", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        interval = self.algorithm.sync_interval_ms / 1000
+        try:
+            while True:
+                time.sleep(interval)
+                flag = torch.tensor([1.0 if self._stop.is_set() else 0.0])
+                if self.comm.allreduce(flag, ReduceOp.MAX).item() > 0:
+                    return
+                self._average()
+        except Exception:  # noqa: BLE001 -- a background thread has nobody to raise to
+            log.exception("bagua_x: asynchronous model averaging stopped after an error")
+
+    def _average(self) -> None:
+        with torch.no_grad():
+            with self._locked():
+                snapshots = [b.pack() for b in self.buckets]
+            deltas = [async_average_delta(s, self.comm) for s in snapshots]
+            with self._locked():
+                for b, d in zip(self.buckets, deltas):
+                    for t, part in zip(b.tensors, b.layout.unpack(d)):
+                        t.proxy.add_(part.to(t.proxy.dtype))
+        self.rounds += 1
+
+    @contextlib.contextmanager
+    def _locked(self):
+        with self._waiting:
+            self._waiters += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._waiting:
+                self._waiters -= 1
+                self._waiting.notify_all()
+
+    # -- control ----------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Stop averaging on all ranks (collective: call it on every rank)."""
+        self._stop.set()
+        if self._holding:  # the thread may be waiting for the weights: let it see the stop flag
+            self._holding = False
+            self._lock.release()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def resume(self) -> None:
+        """Restart averaging after :meth:`abort` (collective: call it on every rank)."""
+        self.abort()
+        self._stop.clear()
+        if self.steps >= self.algorithm.warmup_steps:
+            self._start()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, saved: dict) -> None:
+        if saved:
+            raise BaguaXError("AsyncModelAverage keeps no algorithm state; expected an empty state dict")
+
+    def close(self) -> None:
+        self.abort()
+        if self._warmup is not None:
+            self._warmup.close()
+        for h in self._hooks:
+            h.remove()

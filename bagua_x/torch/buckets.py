@@ -1,0 +1,101 @@
+"""Registering a model's parameters and grouping them into core buckets.
+
+Which tensor of a parameter is communicated follows ``algorithm.target``:
+the gradient (getter ``p.grad``, setter ``p.grad = t``) or the weight itself
+(no getter).  Parameters are registered in reverse order, the order backward
+produces their gradients, so the first bucket is ready first.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..algorithms.base import Algorithm, Target
+from ..core.bucket import Bucket, plan_buckets
+from ..core.errors import BaguaXError
+from ..core.tensor import RegisteredTensor, TensorRegistry
+
+__all__ = ["grad_getter", "grad_setter", "register_parameters", "build_buckets", "state_dict_of", "load_states"]
+
+
+def grad_getter(p: torch.Tensor) -> Optional[torch.Tensor]:
+    return p.grad
+
+
+def grad_setter(p: torch.Tensor, t: torch.Tensor) -> None:
+    p.grad = t
+
+
+def register_parameters(named_params: Sequence[tuple[str, torch.nn.Parameter]],
+                        target: Target) -> list[RegisteredTensor]:
+    """Register trainable parameters (tied ones once, frozen ones not) in reverse order."""
+    if target is Target.GRAD:
+        getter, setter = grad_getter, grad_setter
+    elif target is Target.WEIGHT:
+        getter = setter = None
+    else:
+        raise BaguaXError(
+            f"bagua_x.torch.wrap does not support algorithms that communicate {target.value!r} yet; "
+            "use a gradient or weight algorithm"
+        )
+    registry = TensorRegistry()
+    tensors = [registry.register(name, p, getter, setter) for name, p in reversed(list(named_params))
+               if p.requires_grad]
+    if not tensors:
+        raise BaguaXError("the model has no trainable parameters (requires_grad=True); there is nothing to synchronise")
+    return tensors
+
+
+FIRST_BUCKET_MB = 1.0
+
+
+def build_buckets(tensors: Sequence[RegisteredTensor], algorithm: Algorithm, world_size: int,
+                  bucket_cap_mb: float, prefix: str,
+                  make: Callable[[str, list[RegisteredTensor], int], Bucket] = Bucket) -> list[Bucket]:
+    """Split ``tensors`` into buckets of one dtype/device and at most ``bucket_cap_mb`` each.
+
+    As in DDP, the first tensors (the last layers, whose gradients come first)
+    up to about 1 MB form a small first bucket, so communication starts early in backward.
+    ``make(name, tensors, alignment)`` builds each bucket (one at a time, so a
+    caller can create temporary tensors for one bucket only).
+    """
+    if bucket_cap_mb <= 0:
+        raise BaguaXError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+    entries = [(f"{t.proxy.dtype}/{t.proxy.device}", t.name, t.proxy.numel() * t.proxy.element_size())
+               for t in tensors]
+    first_cap = min(FIRST_BUCKET_MB, bucket_cap_mb) * 2**20
+    head, total = 0, 0
+    while head < len(entries) and total < first_cap:
+        total += entries[head][2]
+        head += 1
+    plan = plan_buckets(entries[:head], float("inf")) + [
+        [head + i for i in b] for b in plan_buckets(entries[head:], bucket_cap_mb * 2**20)]
+    alignment = algorithm.alignment(world_size)
+    return [make(f"{prefix}{i}", [tensors[j] for j in idx], alignment) for i, idx in enumerate(plan)]
+
+
+def state_dict_of(buckets: Sequence[Bucket], states: Sequence[dict]) -> dict:
+    """Per-bucket algorithm state, copied (so later steps do not change it)."""
+    return {b.name: {k: _copy(v) for k, v in s.items()} for b, s in zip(buckets, states)}
+
+
+def load_states(buckets: Sequence[Bucket], states: list[dict], saved: dict) -> None:
+    names = [b.name for b in buckets]
+    if sorted(saved) != sorted(names):
+        raise BaguaXError(
+            f"algorithm state has buckets {sorted(saved)}, but this wrapper has {names}; "
+            "load a state saved from the same model, algorithm and bucket_cap_mb"
+        )
+    for i, b in enumerate(buckets):
+        if sorted(saved[b.name]) != sorted(states[i]):
+            raise BaguaXError(
+                f"algorithm state of bucket {b.name!r} has entries {sorted(saved[b.name])}, "
+                f"expected {sorted(states[i])}; it was saved with a different algorithm"
+            )
+        states[i] = {k: _copy(v) for k, v in saved[b.name].items()}
+
+
+def _copy(v):
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v

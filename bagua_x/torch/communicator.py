@@ -1,0 +1,170 @@
+"""The Communicator protocol on ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
+
+Every collective is functional, as the protocol (and JAX) require: the input
+is left untouched and a new tensor is returned.  The one exception is a
+*donated* buffer (:meth:`TorchCommunicator.donate`): the frontend hands an
+algorithm a bucket buffer it will overwrite with the result anyway, so the
+first collective that consumes it may work in place and skip a copy -- the
+same idea as JAX's ``donate_argnums``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..core.comm import ReduceOp
+from ..core.errors import BaguaXError
+
+__all__ = ["TorchCommunicator"]
+
+# recent torch renamed the flat tensor-in/tensor-out collectives (the old names warn); older releases lack the new
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
+
+
+class TorchCommunicator:
+    """bagua_x collectives on a ``torch.distributed`` process group (the default group if ``None``)."""
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
+        if not dist.is_initialized():
+            raise BaguaXError(
+                "TorchCommunicator needs torch.distributed to be initialised; call "
+                "torch.distributed.init_process_group() first (or launch with torchrun and use bagua_x.torch.wrap)"
+            )
+        self.group = process_group
+        self._rank = dist.get_rank(process_group)
+        self._size = dist.get_world_size(process_group)
+        self._donated: Optional[torch.Tensor] = None
+        self._native_reduce_scatter = True  # else alltoall + local reduction (older gloo)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"TorchCommunicator(rank={self._rank}, size={self._size})"
+
+    # -- donation ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def donate(self, buffer: torch.Tensor):
+        """Within the block, the first collective given ``buffer`` itself may overwrite it.
+
+        The donation is state of this communicator: use one communicator per thread.
+        """
+        self._donated = buffer
+        try:
+            yield
+        finally:
+            self._donated = None
+
+    def _writable(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` itself if it is the donated buffer (consuming the donation), else a contiguous copy."""
+        if self._donated is not None and x is self._donated and x.is_contiguous():
+            self._donated = None
+            return x
+        return x.clone(memory_format=torch.contiguous_format)
+
+    # -- collectives ------------------------------------------------------------------------
+    def allreduce(self, x: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        out = self._writable(x)
+        if op is ReduceOp.AVG:
+            dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group)  # gloo has no AVG
+            if out.is_floating_point() or out.is_complex():
+                out.div_(self._size)
+            else:
+                out.floor_divide_(self._size)
+        else:
+            dist.all_reduce(out, _op(op), group=self.group)
+        return out
+
+    def allgather(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty((self._size * x.numel(),), dtype=x.dtype, device=x.device)
+        _all_gather_flat(out, x.reshape(-1), group=self.group)
+        return out.reshape((self._size, *x.shape))
+
+    def alltoall(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_rows(x, "alltoall")
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=self.group)
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        self._check_rows(x, "reduce_scatter")
+        x = x.contiguous()
+        out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+        torch_op = dist.ReduceOp.SUM if op is ReduceOp.AVG else _op(op)
+        if self._native_reduce_scatter:
+            try:
+                _reduce_scatter_flat(out.reshape(-1), x.reshape(-1), torch_op, group=self.group)  # gloo: 1-D only
+            except (RuntimeError, NotImplementedError) as e:
+                if "support" not in str(e).lower():  # a real failure, not a backend lacking the collective
+                    raise
+                self._native_reduce_scatter = False
+        if not self._native_reduce_scatter:
+            out = _reduce_rows(self.alltoall(x), op if op is not ReduceOp.AVG else ReduceOp.SUM)
+        if op is ReduceOp.AVG:
+            out = out / self._size if out.is_floating_point() else out // self._size
+        return out
+
+    def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
+        out = self._writable(x)
+        dist.broadcast(out, self._global(root), group=self.group)
+        return out
+
+    def permute(self, x: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """Point-to-point exchange: each rank gets the ``x`` of the rank that sends to it, else zeros."""
+        x = x.contiguous()
+        out = torch.zeros_like(x)
+        ops = []
+        for src, dst in pairs:
+            if src == dst == self._rank:
+                out.copy_(x)
+            elif src == self._rank:
+                ops.append(dist.P2POp(dist.isend, x, self._global(dst), group=self.group))
+            elif dst == self._rank:
+                ops.append(dist.P2POp(dist.irecv, out, self._global(src), group=self.group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return out
+
+    def switch(self, index, branches: Sequence[Callable], operand):
+        return branches[int(index)](operand)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def _check_rows(self, x: torch.Tensor, what: str) -> None:
+        if x.ndim == 0 or x.shape[0] != self._size:
+            raise BaguaXError(
+                f"{what} needs an array whose first dimension is the world size {self._size} (one row per rank), "
+                f"got shape {tuple(x.shape)}"
+            )
+
+
+def _op(op: ReduceOp):
+    try:
+        return _TORCH_OPS[op]
+    except KeyError:
+        raise BaguaXError(f"unsupported reduce op {op!r}; use a bagua_x.core.ReduceOp") from None
+
+
+def _reduce_rows(rows: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    if op is ReduceOp.SUM:
+        return rows.sum(dim=0)
+    if op is ReduceOp.MIN:
+        return rows.min(dim=0).values
+    return rows.max(dim=0).values

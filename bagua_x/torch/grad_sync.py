@@ -1,0 +1,147 @@
+"""Gradient algorithms (``Target.GRAD``): bucketed, zero-copy, overlapped with backward.
+
+Each gradient is a view of its bucket's flat buffer (like DDP's
+``gradient_as_bucket_view``), so autograd accumulates straight into the
+buffer and communicating it needs no copy.  A post-accumulate-grad hook marks
+a parameter ready; when a bucket is complete, BucketDispatcher hands it (in
+the same fixed order on every rank) to one communication thread that runs the
+algorithm while backward goes on.  At the end of backward the engine waits.
+
+A gradient recreated since the last step (``zero_grad(set_to_none=True)``, a
+user assigning ``p.grad``) is no longer a view: its hook copies it into the
+buffer once and installs the view again (while backward continues, instead of
+delaying the bucket's communication), and the communication thread's
+``ensure_flattened`` re-checks the whole bucket, so a stale value is never
+communicated and ``p.grad`` always ends as the reduced gradient.
+
+``no_sync()`` turns the hooks off: gradients accumulate in place and the next
+synchronised backward communicates their sum.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from ..algorithms.base import Algorithm, Target
+from ..core.bucket import Bucket
+from ..core.comm import ReduceOp
+from ..core.readiness import BucketDispatcher
+from ..core.tensor import RegisteredTensor
+from .buckets import build_buckets, load_states, register_parameters, state_dict_of
+from .communicator import TorchCommunicator
+from .runtime import BackwardHooks, CommWorker
+
+__all__ = ["GradientEngine", "run_reduce"]
+
+log = logging.getLogger(__name__)
+
+def run_reduce(algorithm: Algorithm, flat: torch.Tensor, state: dict, comm: TorchCommunicator) -> dict:
+    """``flat <- reduce(flat)``, in place; returns the new state."""
+    if algorithm.donates_input:
+        with comm.donate(flat):
+            out, state = algorithm.reduce(flat, state, comm)
+    else:
+        out, state = algorithm.reduce(flat, state, comm)
+    if out is not flat:
+        flat.copy_(out)
+    return state
+
+
+def _grad_bucket(name: str, tensors: list[RegisteredTensor], alignment: int) -> Bucket:
+    """A flattened gradient bucket: existing gradients move into its buffer; missing ones stay
+    None (as without wrap) and become views when backward produces them."""
+    missing = [t for t in tensors if t.proxy.grad is None]
+    for t in missing:
+        t.ensure_grad()  # temporarily: a bucket is built from its effective tensors
+    bucket = Bucket(name, tensors, alignment)
+    bucket.flatten()
+    for t in missing:
+        t.proxy.grad = None
+    return bucket
+
+
+class GradientEngine:
+    """Runs a gradient algorithm on bucketed ``p.grad`` during backward."""
+
+    def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: Algorithm,
+                 comm: TorchCommunicator, bucket_cap_mb: float, find_unused_parameters: bool):
+        assert algorithm.target is Target.GRAD
+        self.algorithm, self.comm, self.find_unused = algorithm, comm, find_unused_parameters
+        tensors = register_parameters(named_params, Target.GRAD)
+        self._tensors, self._index = tensors, {t.name: i for i, t in enumerate(tensors)}
+        self.buckets: list[Bucket] = build_buckets(tensors, algorithm, comm.size, bucket_cap_mb, "grad_bucket_",
+                                                   make=_grad_bucket)
+        self.states = [algorithm.init(b.buffer, comm.size) for b in self.buckets]
+        self.enabled = True  # False inside no_sync()
+        self._dispatcher = BucketDispatcher(self.buckets, self._launch)
+        self._worker = CommWorker("bagua_x-grad-comm", tensors[0].proxy.device)
+        self._hooks = BackwardHooks(tensors, self._on_grad, self._finish, lambda: self.enabled)
+        log.info("bagua_x: %s on %d gradient buckets %s", type(algorithm).__name__, len(self.buckets), self.buckets)
+
+    @staticmethod
+    def _on_grad(t: RegisteredTensor) -> None:
+        """A gradient is final: re-swap it now if it was recreated (its one copy overlaps the rest of
+        backward instead of delaying its bucket's communication), then mark it ready."""
+        t.ensure_grad()  # autograd may leave p.grad None (no gradient flowed); communicate zeros then
+        if not t.is_view_of(t.bucket.buffer, t.offset, t.bucket.itemsize):
+            t.set_registered_storage(t.bucket.buffer, t.offset)
+        t.mark_ready()
+
+    def _launch(self, bucket: Bucket) -> None:
+        i = self.buckets.index(bucket)
+        self._worker.submit(f"{type(self.algorithm).__name__} on {bucket.name} ({', '.join(bucket.layout.names)})",
+                            lambda: self._reduce(i))
+
+    def _reduce(self, i: int) -> None:
+        bucket = self.buckets[i]
+        bucket.ensure_flattened()
+        self.states[i] = run_reduce(self.algorithm, bucket.buffer, self.states[i], self.comm)
+
+    def _finish(self) -> None:
+        """End of backward: handle unused parameters, wait for every bucket, reset readiness."""
+        try:
+            without_grad = self._mark_unused() if self.find_unused else None
+            self._worker.wait()
+            self._dispatcher.check_all_dispatched()
+            if without_grad is not None:  # as DDP: a parameter no rank used keeps p.grad None
+                for t, unused in zip(self._tensors, without_grad.tolist()):
+                    if unused:
+                        t.proxy.grad = None
+        finally:
+            self._dispatcher.reset()
+
+    def _mark_unused(self) -> torch.Tensor:
+        """Mark parameters that got no gradient ready (communicating a zero, or a kept, gradient).
+
+        Returns flags, filled on the communication thread after the buckets, saying which
+        parameters had no gradient (p.grad None) on every rank.
+        """
+        had_none = torch.zeros(len(self._tensors), dtype=torch.int32, device=self._tensors[0].proxy.device)
+        for bucket in self._dispatcher.pending():
+            missing = set(bucket.not_ready())
+            for t in bucket.tensors:
+                if t.name in missing:
+                    had_none[self._index[t.name]] = int(t.proxy.grad is None)
+                    self._on_grad(t)
+        self._worker.submit("the unused-parameter check",
+                            lambda: had_none.copy_(self.comm.allreduce(had_none, ReduceOp.MIN)))
+        return had_none
+
+    def before_forward(self) -> None:
+        if self._hooks.queued:  # the previous backward raised before its end-of-backward callback
+            self._hooks.queued = False
+            self._dispatcher.reset()
+            self._worker.wait()  # let buckets already launched finish, so collectives stay paired
+
+    def state_dict(self) -> dict:
+        return state_dict_of(self.buckets, self.states)
+
+    def load_state_dict(self, saved: dict) -> None:
+        load_states(self.buckets, self.states, saved)
+
+    def close(self) -> None:
+        self._hooks.remove()
+        self._worker.close()

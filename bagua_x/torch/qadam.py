@@ -1,0 +1,202 @@
+"""QAdam for torch: ``QAdamOptimizer`` and the engine that communicates its momentum.
+
+During warmup QAdam is Adam on allreduce-averaged gradients, so the engine is
+the ordinary gradient engine.  Once warmup ends (the same step on every rank)
+the gradient buckets are dropped and each parameter's ``exp_avg`` becomes the
+effective tensor: getter ``opt.state[p]["exp_avg"]``, setter assigns it, and
+flattening moves the optimizer state into the bucket buffers.  In backward,
+each parameter's hook updates its momentum with the local gradient and marks
+it ready; ready buckets are averaged with ByteGrad's 8-bit compressed
+allreduce on the communication thread; ``step()`` then applies Adam's update
+with the averaged momentum and the frozen second moment.  The arithmetic is
+the framework-free code of :mod:`bagua_x.algorithms.qadam`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from ..algorithms import GradientAllReduce, QAdam
+from ..algorithms.bytegrad import compressed_allreduce
+from ..algorithms.qadam import adam_direction, adam_moments, momentum_update
+from ..core.bucket import Bucket
+from ..core.errors import BaguaXError
+from ..core.readiness import BucketDispatcher
+from ..core.tensor import RegisteredTensor, TensorRegistry
+from .buckets import build_buckets
+from .communicator import TorchCommunicator
+from .grad_sync import GradientEngine
+from .runtime import BackwardHooks, CommWorker
+
+__all__ = ["QAdamOptimizer", "MomentumEngine"]
+
+log = logging.getLogger(__name__)
+
+
+class QAdamOptimizer(torch.optim.Optimizer):
+    """Adam whose momentum bagua_x communicates (8-bit) after ``warmup_steps``; use with ``wrap()``."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, warmup_steps: int = 100,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        self.algorithm = QAdam(lr=lr, warmup_steps=warmup_steps, betas=tuple(betas), eps=eps,
+                               weight_decay=weight_decay)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.step_id = 0  # completed steps
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def state_dict(self):
+        return {**super().state_dict(), "step_id": self.step_id}
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        self.step_id = int(state_dict.pop("step_id", 0))
+        super().load_state_dict(state_dict)
+
+    @property
+    def in_warmup(self) -> bool:
+        """Whether the coming step communicates gradients (else momentum)."""
+        return self.algorithm.is_warmup(self.step_id + 1)
+
+    def decayed_grad(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        g = p.grad
+        return g + group["weight_decay"] * p.detach() if group["weight_decay"] else g
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        warmup = self.in_warmup
+        self.step_id += 1
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                if warmup:  # grads are already averaged: plain Adam
+                    new_m, new_v = adam_moments(m, v, self.decayed_grad(p, group), beta1, beta2)
+                    m.copy_(new_m)  # in place: the state tensors may be bucket views
+                    v.copy_(new_v)
+                p.add_(adam_direction(m, v, self.step_id, group["lr"], beta1, beta2, group["eps"]))
+        return loss
+
+
+class MomentumEngine:
+    """Gradient allreduce during warmup, then compressed momentum buckets (see module docstring)."""
+
+    def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: QAdam,
+                 comm: TorchCommunicator, bucket_cap_mb: float, optimizer: Optional[torch.optim.Optimizer],
+                 find_unused_parameters: bool):
+        if not isinstance(optimizer, QAdamOptimizer):
+            raise BaguaXError(
+                "QAdam communicates the optimizer's momentum, so wrap() needs the QAdamOptimizer: "
+                "opt = bagua_x.torch.QAdamOptimizer(model.parameters(), lr=...); wrap(model, opt)"
+            )
+        if algorithm != optimizer.algorithm:
+            raise BaguaXError(
+                f"algorithm {algorithm} differs from the optimizer's {optimizer.algorithm}; "
+                "pass algorithm=None (or optimizer.algorithm) to use the optimizer's settings"
+            )
+        self.algorithm, self.comm, self.optimizer = algorithm, comm, optimizer
+        self._named, self._cap, self._find_unused = list(named_params), bucket_cap_mb, find_unused_parameters
+        self._grad_engine: Optional[GradientEngine] = None
+        self._momentum_ready = False
+        self.enabled = True
+        if optimizer.in_warmup:
+            self._grad_engine = GradientEngine(self._named, GradientAllReduce(), comm, bucket_cap_mb,
+                                               find_unused_parameters)
+        else:
+            self._build_momentum_buckets()
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self._grad_engine.buckets if self._grad_engine is not None else self._buckets
+
+    # -- the switch ---------------------------------------------------------------------------
+    def before_forward(self) -> None:
+        if self._grad_engine is not None:
+            self._grad_engine.enabled = self.enabled
+            if self.optimizer.in_warmup:
+                self._grad_engine.before_forward()
+                return
+            self._grad_engine.close()
+            self._grad_engine = None
+            log.info("bagua_x QAdam: warmup over after %d steps; communicating 8-bit momentum",
+                     self.optimizer.step_id)
+            self._build_momentum_buckets()
+        elif self._hooks.queued:
+            self._hooks.queued = False
+            self._dispatcher.reset()
+            self._worker.wait()
+
+    def _build_momentum_buckets(self) -> None:
+        opt = self.optimizer
+        registry = TensorRegistry()
+        tensors = [
+            registry.register(name, p, lambda p: opt.state[p]["exp_avg"],
+                              lambda p, t: opt.state[p].__setitem__("exp_avg", t))
+            for name, p in reversed(self._named) if p.requires_grad
+        ]
+        self._groups = {id(p): g for g in opt.param_groups for p in g["params"]}
+        missing = [t.name for t in tensors if id(t.proxy) not in self._groups]
+        if missing:
+            raise BaguaXError(f"parameters {missing} are not in the QAdamOptimizer; give it model.parameters()")
+        self._buckets = build_buckets(tensors, self.algorithm, self.comm.size, self._cap, "momentum_bucket_")
+        for b in self._buckets:
+            b.flatten()
+        self._dispatcher = BucketDispatcher(self._buckets, self._launch)
+        self._worker = CommWorker("bagua_x-momentum-comm", tensors[0].proxy.device)
+        self._hooks = BackwardHooks(tensors, self._on_grad, self._finish, lambda: self.enabled)
+
+    # -- momentum phase ---------------------------------------------------------------------
+    @torch.no_grad()
+    def _on_grad(self, t: RegisteredTensor) -> None:
+        p = t.proxy
+        group = self._groups[id(p)]
+        m = t.effective()
+        if p.grad is not None:  # an unused parameter keeps decaying its momentum with a zero gradient
+            m.copy_(momentum_update(m, self.optimizer.decayed_grad(p, group), group["betas"][0]))
+        else:
+            m.mul_(group["betas"][0])
+        t.mark_ready()
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._worker.submit(f"QAdam momentum on {bucket.name}", lambda: self._reduce(bucket))
+
+    def _reduce(self, bucket: Bucket) -> None:
+        bucket.ensure_flattened()
+        bucket.buffer.copy_(compressed_allreduce(bucket.buffer, self.comm, average=True))
+
+    def _finish(self) -> None:
+        try:
+            if self._find_unused:
+                for bucket in self._dispatcher.pending():
+                    missing = set(bucket.not_ready())
+                    for t in bucket.tensors:
+                        if t.name in missing:
+                            self._on_grad(t)
+            self._worker.wait()
+            self._dispatcher.check_all_dispatched()
+        finally:
+            self._dispatcher.reset()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """QAdam's state is the optimizer's own (``optimizer.state_dict()``, step counter included)."""
+        return {}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Nothing to load: a reloaded optimizer state is re-swapped into the buckets at the next step."""
+
+    def close(self) -> None:
+        if self._grad_engine is not None:
+            self._grad_engine.close()
+        else:
+            self._hooks.remove()
+            self._worker.close()

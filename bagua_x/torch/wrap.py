@@ -1,0 +1,157 @@
+"""``wrap(model, optimizer, algorithm=...)``: data-parallel training of a torch model.
+
+The wrapper is an adapter between a ``torch.nn.Module`` and the framework-free
+core and algorithms: it registers the parameters, buckets them, hooks
+backward or the optimizer step according to the algorithm's ``target`` and
+``phase``, and runs the algorithm with a :class:`TorchCommunicator`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..algorithms import AsyncModelAverage, GradientAllReduce, QAdam
+from ..algorithms.base import Algorithm, Target
+from ..core.bucket import Bucket
+from ..core.errors import BaguaXError
+from .async_average import AsyncAverageEngine
+from .communicator import TorchCommunicator
+from .distributed import broadcast_tensors, check_same_model, ensure_initialized
+from .grad_sync import GradientEngine
+from .qadam import MomentumEngine, QAdamOptimizer
+from .weight_sync import WeightEngine
+
+__all__ = ["wrap", "DistributedModel"]
+
+log = logging.getLogger(__name__)
+
+
+class DistributedModel(torch.nn.Module):
+    """The wrapped model: call it like the model; ``.module`` is the model itself.
+
+    ``state_dict()`` / ``load_state_dict()`` are the model's own (same keys as
+    the unwrapped model), so checkpoints load either way.  The algorithm's
+    per-bucket state is separate: ``algorithm_state_dict()``.
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], algorithm: Algorithm,
+                 process_group: Optional[dist.ProcessGroup], bucket_cap_mb: float, find_unused_parameters: bool,
+                 broadcast_buffers: bool):
+        super().__init__()
+        self.module = module
+        self.algorithm = algorithm
+        self.process_group = process_group
+        self.comm = TorchCommunicator(process_group)
+        check_same_model(module, {"algorithm": algorithm.hyperparameters(), "bucket_cap_mb": bucket_cap_mb,
+                                  "find_unused_parameters": find_unused_parameters}, process_group)
+        broadcast_tensors([*module.parameters(), *module.buffers()], process_group)
+        self._buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
+        self._sync_buffers_next = True
+        named = list(module.named_parameters())
+        if isinstance(algorithm, AsyncModelAverage):
+            self._engine = AsyncAverageEngine(named, algorithm, self.comm, bucket_cap_mb, optimizer,
+                                              find_unused_parameters)
+        elif algorithm.target is Target.GRAD:
+            self._engine = GradientEngine(named, algorithm, self.comm, bucket_cap_mb, find_unused_parameters)
+        elif algorithm.target is Target.WEIGHT:
+            self._engine = WeightEngine(named, algorithm, self.comm, bucket_cap_mb, optimizer)
+        elif isinstance(algorithm, QAdam):
+            self._engine = MomentumEngine(named, algorithm, self.comm, bucket_cap_mb, optimizer,
+                                          find_unused_parameters)
+        else:
+            raise BaguaXError(
+                f"{type(algorithm).__name__} communicates {algorithm.target.value!r}, which bagua_x.torch.wrap does "
+                "not support; use a gradient or weight algorithm, or QAdam with QAdamOptimizer"
+            )
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The core buckets the algorithm runs on (gradient or weight buckets)."""
+        return self._engine.buckets
+
+    def forward(self, *args, **kwargs):
+        if self._buffers_to_sync and self._sync_buffers_next:
+            broadcast_tensors(self._buffers_to_sync, self.process_group)
+        self._engine.before_forward()
+        out = self.module(*args, **kwargs)
+        # as DDP: buffers follow rank 0 before a forward that follows a synchronised one
+        self._sync_buffers_next = torch.is_grad_enabled() and self._engine.enabled
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip communication inside the block: gradients accumulate locally and the
+        first backward after it communicates their sum."""
+        before, self._engine.enabled = self._engine.enabled, False
+        try:
+            yield
+        finally:
+            self._engine.enabled = before
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            raise BaguaXError(
+                "load_state_dict(assign=True) would replace the registered parameters; "
+                "load with assign=False (the default) so values are copied into them"
+            )
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def algorithm_state_dict(self) -> dict:
+        """Per-bucket algorithm state (step counters, decentralized neighbour estimates...)."""
+        return self._engine.state_dict()
+
+    def load_algorithm_state_dict(self, state: dict) -> None:
+        self._engine.load_state_dict(state)
+
+    # -- asynchronous averaging -------------------------------------------------------------
+    def abort(self) -> None:
+        """Stop AsyncModelAverage's background averaging (call it on every rank)."""
+        self._async_engine().abort()
+
+    def resume(self) -> None:
+        """Restart AsyncModelAverage's background averaging (call it on every rank)."""
+        self._async_engine().resume()
+
+    def _async_engine(self) -> AsyncAverageEngine:
+        if not isinstance(self._engine, AsyncAverageEngine):
+            raise BaguaXError(
+                f"abort()/resume() apply to AsyncModelAverage only; this model uses {type(self.algorithm).__name__}"
+            )
+        return self._engine
+
+    def shutdown(self) -> None:
+        """Remove hooks and stop background threads (the model stays usable, unsynchronised)."""
+        self._engine.close()
+
+
+def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+         algorithm: Optional[Algorithm] = None, process_group: Optional[dist.ProcessGroup] = None,
+         bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
+         broadcast_buffers: bool = True) -> DistributedModel:
+    """Make ``model`` data parallel with ``algorithm``.
+
+    The default is GradientAllReduce (what DDP does), or QAdam when ``optimizer``
+    is a :class:`QAdamOptimizer`.
+
+    Collective: every rank must call it with the same model and algorithm.  It
+    initialises torch.distributed from torchrun's environment if needed,
+    checks that ranks agree (a BaguaXError on every rank otherwise) and copies
+    rank 0's parameters and buffers to all ranks.  ``optimizer`` is needed by
+    algorithms that act after ``optimizer.step()``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise BaguaXError(f"wrap() expects a torch.nn.Module, got {type(model).__name__}")
+    ensure_initialized(model)
+    if algorithm is None:
+        algorithm = optimizer.algorithm if isinstance(optimizer, QAdamOptimizer) else GradientAllReduce()
+    return DistributedModel(model, optimizer, algorithm, process_group, bucket_cap_mb,
+                            find_unused_parameters, broadcast_buffers)

@@ -1,0 +1,187 @@
+"""bagua_x.torch.wrap vs torch DDP: step time and peak memory, measured side by side.
+
+    python benchmarks/torch_vs_ddp.py                       # GradientAllReduce vs DDP
+    python benchmarks/torch_vs_ddp.py --algorithm bytegrad  # any bagua_x algorithm vs DDP
+
+Model: 12 x (Linear(1024, 1024) + ReLU) then Linear(1024, 10), batch 64 per
+rank, SGD with momentum, 2 gloo ranks on this machine, OMP_NUM_THREADS=1.
+
+Time: one job runs DDP and bagua_x in interleaved rounds (DDP round, bagua_x
+round, ...), so both see the same machine load; the ratio is of the median
+per-round step times, taken on rank 0 after warm-up.
+
+Memory: torch has no allocator statistics on CPU, and a process's peak RSS
+(``ru_maxrss``) cannot be split between two systems living in one process.
+So each system also runs alone in a fresh 2-rank job, and each rank reports
+its peak RSS minus its RSS just before wrapping (model, optimizer and data
+already built): the memory the training loop and the data-parallel machinery
+add (gradients, momentum, buckets, activations, communication buffers).
+These jobs run with ``MALLOC_MMAP_THRESHOLD_=131072``: glibc then serves every
+large block with mmap and returns it to the OS when freed, so RSS follows live
+tensor memory instead of the allocator's high-water mark.  The ratio is of the
+larger rank's values.  By default DDP runs as most users run
+it (``gradient_as_bucket_view=False``: buckets and gradients are separate);
+``--ddp-bucket-view`` compares with DDP's zero-copy mode instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+ALGORITHMS = ("allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "model_average")
+
+
+def make_algorithm(name: str):
+    from bagua_x import algorithms as A
+
+    return {
+        "allreduce": A.GradientAllReduce, "bytegrad": A.ByteGrad, "decentralized": A.Decentralized,
+        "low_precision_decentralized": A.LowPrecisionDecentralized, "model_average": A.ModelAverage,
+    }[name]()
+
+
+def build(seed: int):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(12):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(1024, 10))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def wrap_system(system: str, model, opt, args):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bagua_x.torch as bxt
+
+    if system == "ddp":
+        return DDP(model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.ddp_bucket_view)
+    return bxt.wrap(model, opt, algorithm=make_algorithm(args.algorithm), bucket_cap_mb=args.bucket_cap_mb)
+
+
+def step(model, opt, x, y):
+    import torch.nn.functional as F
+
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def timed(model, opt, x, y, steps: int) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(model, opt, x, y)
+    dist.barrier()
+    return (time.perf_counter() - start) / steps
+
+
+def _init(rank: int, nproc: int, port: int):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(64, 1024, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+
+def time_job(rank: int, nproc: int, port: int, args, results):
+    import torch.distributed as dist
+
+    x, y = _init(rank, nproc, port)
+    systems = {}
+    for system in ("ddp", "bagua_x"):
+        model, opt = build(seed=rank)
+        systems[system] = (wrap_system(system, model, opt, args), opt)
+    for model, opt in systems.values():  # warm-up: allocator, first-step state, gloo connections
+        timed(model, opt, x, y, args.warmup)
+    times = {s: [] for s in systems}
+    for _ in range(args.rounds):
+        for system, (model, opt) in systems.items():
+            times[system].append(timed(model, opt, x, y, args.steps))
+    results.put((rank, times))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def memory_job(rank: int, nproc: int, port: int, args, results, system: str):
+    import torch.distributed as dist
+
+    x, y = _init(rank, nproc, port)
+    model, opt = build(seed=rank)
+    before = _rss_mb()
+    wrapped = wrap_system(system, model, opt, args)
+    timed(wrapped, opt, x, y, args.warmup + args.steps)
+    results.put((rank, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def launch(fn, args, *extra):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=fn, args=(r, args.nproc, port, args, results, *extra)) for r in range(args.nproc)]
+    for p in procs:
+        p.start()
+    out = dict(results.get() for _ in procs)
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            sys.exit(f"a rank of {fn.__name__} failed with exit code {p.exitcode}")
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algorithm", choices=ALGORITHMS, default="allreduce")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--ddp-bucket-view", action="store_true", help="DDP with gradient_as_bucket_view=True")
+    parser.add_argument("--skip-memory", action="store_true")
+    args = parser.parse_args()
+
+    times = launch(time_job, args)[0]
+    med = {s: statistics.median(v) * 1000 for s, v in times.items()}
+    print(f"algorithm={args.algorithm} nproc={args.nproc} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
+          f"rounds={args.rounds}x{args.steps} steps")
+    for s, v in times.items():
+        print(f"  {s:8s} step time: median {med[s]:7.1f} ms   rounds: {' '.join(f'{t * 1000:.1f}' for t in v)}")
+    print(f"  time ratio bagua_x/DDP: {med['bagua_x'] / med['ddp']:.3f}")
+    if not args.skip_memory:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned ranks
+        mem = {s: max(launch(memory_job, args, s).values()) for s in ("ddp", "bagua_x")}
+        for s, v in mem.items():
+            print(f"  {s:8s} peak RSS added by training: {v:7.1f} MB")
+        print(f"  memory ratio bagua_x/DDP: {mem['bagua_x'] / mem['ddp']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
