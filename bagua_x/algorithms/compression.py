@@ -16,9 +16,27 @@ from __future__ import annotations
 
 from .base import namespace
 
-__all__ = ["EPS", "compress_rows", "decompress_rows", "quantize_roundtrip"]
+__all__ = ["EPS", "compress_rows", "decompress_rows", "quantize_roundtrip", "register_fused"]
 
 EPS = 1e-7
+
+# Eager array libraries run the formula below as a dozen separate passes over
+# memory; a frontend may register a fused (compiled) version of the same code
+# for its namespace.  JAX needs none: the step is traced and XLA fuses it.
+_FUSED: dict[str, tuple] = {}
+
+
+def register_fused(namespace_name: str, compress, decompress, min_numel: int = 0) -> None:
+    """Use ``compress``/``decompress`` (same results) for arrays of namespace ``namespace_name``
+    with at least ``min_numel`` elements (below that, compiling does not pay off)."""
+    _FUSED[namespace_name] = (compress, decompress, min_numel)
+
+
+def _fused(x, which: int):
+    entry = _FUSED.get(namespace(x).__name__)
+    if entry is not None and x.shape[0] * x.shape[1] >= entry[2]:
+        return entry[which]
+    return None
 
 
 def _scale_bounds(xp, mn, mx):
@@ -30,6 +48,11 @@ def _scale_bounds(xp, mn, mx):
 
 def compress_rows(x):
     """Quantise each row of float ``x`` (R, k) -> (uint8 (R, k), float32 (R, 2) holding min and max)."""
+    fused = _fused(x, 0)
+    return fused(x) if fused is not None else compress_rows_eager(x)
+
+
+def compress_rows_eager(x):
     xp = namespace(x)
     x = xp.astype(x, xp.float32, copy=False)
     mn = xp.min(x, axis=1, keepdims=True)
@@ -41,6 +64,11 @@ def compress_rows(x):
 
 def decompress_rows(q, minmax):
     """Inverse of :func:`compress_rows`: float32 (R, k)."""
+    fused = _fused(q, 1)
+    return fused(q, minmax) if fused is not None else decompress_rows_eager(q, minmax)
+
+
+def decompress_rows_eager(q, minmax):
     xp = namespace(q)
     mn, mx = minmax[:, 0:1], minmax[:, 1:2]
     scale, lower, _ = _scale_bounds(xp, mn, mx)

@@ -34,9 +34,12 @@ Per-bucket algorithm state: ``model.algorithm_state_dict()`` /
 (``ensure_bagua_tensor`` ...) to ``torch.Tensor``; see :mod:`bagua_x.torch.bagua_compat`.
 """
 
+from . import kernels
 from .bagua_compat import enable_bagua_api
 from .communicator import TorchCommunicator
 from .qadam import QAdamOptimizer
 from .wrap import DistributedModel, wrap
+
+kernels.install()
 
 __all__ = ["wrap", "DistributedModel", "TorchCommunicator", "QAdamOptimizer", "enable_bagua_api"]

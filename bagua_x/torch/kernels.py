@@ -1,0 +1,43 @@
+"""Fused MinMaxUInt8 kernels for torch: the framework-free formula, compiled by ``torch.compile``.
+
+Eager torch runs the quantisation as a dozen passes over memory (measured here:
+57 ms to compress 25 MB on one CPU core; compiled: 16 ms, bitwise equal).
+Compiling costs seconds per new shape, so small buckets stay eager.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import torch
+
+from ..algorithms import compression
+
+log = logging.getLogger(__name__)
+
+MIN_NUMEL = 1 << 20  # compile only for buckets of at least a million elements
+
+
+def _compiled(fn):
+    compiled = torch.compile(fn, dynamic=None)
+
+    @functools.wraps(fn)
+    def run(*args):
+        with warnings.catch_warnings():  # dynamo notes that array_api_compat's lru_caches are traced through
+            warnings.simplefilter("ignore", UserWarning)
+            return compiled(*args)
+
+    return run
+
+
+def install() -> None:
+    """Register the compiled kernels for torch arrays (idempotent)."""
+    try:
+        compress = _compiled(compression.compress_rows_eager)
+        decompress = _compiled(compression.decompress_rows_eager)
+    except RuntimeError as e:  # torch.compile unavailable on this platform: eager is still correct
+        log.info("bagua_x: torch.compile unavailable (%s); compression stays eager", e)
+        return
+    compression.register_fused("array_api_compat.torch", compress, decompress, MIN_NUMEL)
