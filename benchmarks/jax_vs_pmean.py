@@ -94,6 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if args.worker:
@@ -112,6 +113,9 @@ def main() -> None:
     multi = _two_processes(args.iters)
     _print("one process x 4 CPU devices (bagua_x: automatic strategy = per-leaf collectives)", single)
     _print("2 processes x 2 CPU devices, gloo (bagua_x: automatic strategy = one collective per bucket)", multi)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"single_process": single, "two_processes": multi}, f)
 
 
 if __name__ == "__main__":

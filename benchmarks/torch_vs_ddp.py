@@ -27,6 +27,7 @@ it (``gradient_as_bucket_view=False``: buckets and gradients are separate);
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
@@ -35,7 +36,7 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-ALGORITHMS = ("allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "model_average")
+ALGORITHMS = ("allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "model_average", "qadam")
 
 
 def make_algorithm(name: str):
@@ -47,15 +48,22 @@ def make_algorithm(name: str):
     }[name]()
 
 
-def build(seed: int):
+def build(seed: int, system: str = "ddp", algorithm: str = "allreduce"):
+    """The model and its optimizer; QAdam is compared with DDP + Adam (what it replaces)."""
     import torch
     from torch import nn
+
+    import bagua_x.torch as bxt
 
     torch.manual_seed(seed)
     layers = []
     for _ in range(12):
         layers += [nn.Linear(1024, 1024), nn.ReLU()]
     model = nn.Sequential(*layers, nn.Linear(1024, 10))
+    if algorithm == "qadam":
+        if system == "ddp":
+            return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+        return model, bxt.QAdamOptimizer(model.parameters(), lr=1e-4, warmup_steps=2)
     return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
@@ -66,7 +74,8 @@ def wrap_system(system: str, model, opt, args):
 
     if system == "ddp":
         return DDP(model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.ddp_bucket_view)
-    return bxt.wrap(model, opt, algorithm=make_algorithm(args.algorithm), bucket_cap_mb=args.bucket_cap_mb)
+    algorithm = None if args.algorithm == "qadam" else make_algorithm(args.algorithm)  # QAdam: the optimizer's
+    return bxt.wrap(model, opt, algorithm=algorithm, bucket_cap_mb=args.bucket_cap_mb)
 
 
 def step(model, opt, x, y):
@@ -104,7 +113,7 @@ def time_job(rank: int, nproc: int, port: int, args, results):
     x, y = _init(rank, nproc, port)
     systems = {}
     for system in ("ddp", "bagua_x"):
-        model, opt = build(seed=rank)
+        model, opt = build(seed=rank, system=system, algorithm=args.algorithm)
         systems[system] = (wrap_system(system, model, opt, args), opt)
     for model, opt in systems.values():  # warm-up: allocator, first-step state, gloo connections
         timed(model, opt, x, y, args.warmup)
@@ -121,7 +130,7 @@ def memory_job(rank: int, nproc: int, port: int, args, results, system: str):
     import torch.distributed as dist
 
     x, y = _init(rank, nproc, port)
-    model, opt = build(seed=rank)
+    model, opt = build(seed=rank, system=system, algorithm=args.algorithm)
     before = _rss_mb()
     wrapped = wrap_system(system, model, opt, args)
     timed(wrapped, opt, x, y, args.warmup + args.steps)
@@ -166,7 +175,9 @@ def main():
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--ddp-bucket-view", action="store_true", help="DDP with gradient_as_bucket_view=True")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
+    result = {"algorithm": args.algorithm, "nproc": args.nproc}
 
     times = launch(time_job, args)[0]
     med = {s: statistics.median(v) * 1000 for s, v in times.items()}
@@ -175,12 +186,17 @@ def main():
     for s, v in times.items():
         print(f"  {s:8s} step time: median {med[s]:7.1f} ms   rounds: {' '.join(f'{t * 1000:.1f}' for t in v)}")
     print(f"  time ratio bagua_x/DDP: {med['bagua_x'] / med['ddp']:.3f}")
+    result.update(ddp_ms=med["ddp"], bagua_x_ms=med["bagua_x"], time_ratio=med["bagua_x"] / med["ddp"])
     if not args.skip_memory:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned ranks
         mem = {s: max(launch(memory_job, args, s).values()) for s in ("ddp", "bagua_x")}
         for s, v in mem.items():
             print(f"  {s:8s} peak RSS added by training: {v:7.1f} MB")
         print(f"  memory ratio bagua_x/DDP: {mem['bagua_x'] / mem['ddp']:.3f}")
+        result.update(ddp_mb=mem["ddp"], bagua_x_mb=mem["bagua_x"], memory_ratio=mem["bagua_x"] / mem["ddp"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f)
 
 
 if __name__ == "__main__":

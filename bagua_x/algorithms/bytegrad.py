@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from .base import Algorithm, compressed_bytes, namespace
-from .compression import compress_rows, decompress_rows
+from .compression import compress_rows, decompress_rows, reduce_requantize
 
 __all__ = ["ByteGrad", "compressed_allreduce"]
 
@@ -24,11 +24,7 @@ def compressed_allreduce(flat, comm, average: bool = True):
     n = comm.size
     chunks = xp.reshape(flat, (n, -1))
     q, mm = compress_rows(chunks)
-    received = decompress_rows(comm.alltoall(q), comm.alltoall(mm))
-    mine = xp.sum(received, axis=0, keepdims=True)
-    if average:
-        mine = mine / n
-    q, mm = compress_rows(mine)
+    q, mm = reduce_requantize(comm.alltoall(q), comm.alltoall(mm), average)
     gathered = decompress_rows(comm.allgather(q[0, :]), comm.allgather(mm[0, :]))
     return xp.astype(xp.reshape(gathered, (-1,)), flat.dtype)
 

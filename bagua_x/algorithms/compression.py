@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .base import namespace
 
-__all__ = ["EPS", "compress_rows", "decompress_rows", "quantize_roundtrip", "register_fused"]
+__all__ = ["EPS", "compress_rows", "decompress_rows", "reduce_requantize", "quantize_roundtrip", "register_fused"]
 
 EPS = 1e-7
 
@@ -26,16 +26,19 @@ EPS = 1e-7
 _FUSED: dict[str, tuple] = {}
 
 
-def register_fused(namespace_name: str, compress, decompress, min_numel: int = 0) -> None:
-    """Use ``compress``/``decompress`` (same results) for arrays of namespace ``namespace_name``
-    with at least ``min_numel`` elements (below that, compiling does not pay off)."""
-    _FUSED[namespace_name] = (compress, decompress, min_numel)
+def register_fused(namespace_name: str, kernels: dict, min_numel: int = 0) -> None:
+    """Use ``kernels[name]`` (same results as this module's ``name``) for arrays of namespace
+    ``namespace_name`` with at least ``min_numel`` elements (below that, compiling does not pay off).
+
+    Names: ``"compress_rows"``, ``"decompress_rows"``, ``"reduce_requantize"``.
+    """
+    _FUSED[namespace_name] = (kernels, min_numel)
 
 
-def _fused(x, which: int):
+def _fused(name: str, x):
     entry = _FUSED.get(namespace(x).__name__)
-    if entry is not None and x.shape[0] * x.shape[1] >= entry[2]:
-        return entry[which]
+    if entry is not None and x.shape[0] * x.shape[1] >= entry[1]:
+        return entry[0].get(name)
     return None
 
 
@@ -48,7 +51,7 @@ def _scale_bounds(xp, mn, mx):
 
 def compress_rows(x):
     """Quantise each row of float ``x`` (R, k) -> (uint8 (R, k), float32 (R, 2) holding min and max)."""
-    fused = _fused(x, 0)
+    fused = _fused("compress_rows", x)
     return fused(x) if fused is not None else compress_rows_eager(x)
 
 
@@ -64,7 +67,7 @@ def compress_rows_eager(x):
 
 def decompress_rows(q, minmax):
     """Inverse of :func:`compress_rows`: float32 (R, k)."""
-    fused = _fused(q, 1)
+    fused = _fused("decompress_rows", q)
     return fused(q, minmax) if fused is not None else decompress_rows_eager(q, minmax)
 
 
@@ -73,6 +76,21 @@ def decompress_rows_eager(q, minmax):
     mn, mx = minmax[:, 0:1], minmax[:, 1:2]
     scale, lower, _ = _scale_bounds(xp, mn, mx)
     return (xp.astype(q, xp.float32) + lower) / scale
+
+
+def reduce_requantize(q, minmax, average: bool):
+    """Sum the dequantised rows (a rank's received chunks), divide by their count when
+    averaging, and quantise the result as one row: ByteGrad's owner step."""
+    fused = _fused("reduce_requantize", q)
+    return fused(q, minmax, average) if fused is not None else reduce_requantize_eager(q, minmax, average)
+
+
+def reduce_requantize_eager(q, minmax, average: bool):
+    xp = namespace(q)
+    total = xp.sum(decompress_rows_eager(q, minmax), axis=0, keepdims=True)
+    if average:
+        total = total / q.shape[0]
+    return compress_rows_eager(total)
 
 
 def quantize_roundtrip(x):

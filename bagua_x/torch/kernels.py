@@ -35,9 +35,9 @@ def _compiled(fn):
 def install() -> None:
     """Register the compiled kernels for torch arrays (idempotent)."""
     try:
-        compress = _compiled(compression.compress_rows_eager)
-        decompress = _compiled(compression.decompress_rows_eager)
+        kernels = {name: _compiled(getattr(compression, f"{name}_eager"))
+                   for name in ("compress_rows", "decompress_rows", "reduce_requantize")}
     except RuntimeError as e:  # torch.compile unavailable on this platform: eager is still correct
         log.info("bagua_x: torch.compile unavailable (%s); compression stays eager", e)
         return
-    compression.register_fused("array_api_compat.torch", compress, decompress, MIN_NUMEL)
+    compression.register_fused("array_api_compat.torch", kernels, MIN_NUMEL)
