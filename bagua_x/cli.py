@@ -11,19 +11,18 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="bagua-x", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from .apps import demo
+    from .apps import bench, demo
 
     demo.add_arguments(sub.add_parser("demo", help="train a small classifier with every algorithm, both frontends"))
-    sub.add_parser("bench", help="run the benchmarks of benchmarks/ and print ratios")
+    bench.add_arguments(sub.add_parser("bench", help="run the benchmarks of benchmarks/ and print ratios"))
     args = parser.parse_args(argv)
-    if getattr(args, "bandwidth", None) and "BAGUA_X_LINK" not in os.environ:
+    if args.command == "bench":
+        return bench.main(args)
+    if args.bandwidth and "BAGUA_X_LINK" not in os.environ:
         from .apps.launch import rerun_in_capped_namespace
 
         return rerun_in_capped_namespace(args.bandwidth, argv)
-    if args.command == "demo":
-        return demo.main(args)
-    print("bagua-x bench: not implemented yet; run the scripts in benchmarks/ directly")
-    return 0
+    return demo.main(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,123 @@
+"""``bagua-x bench``: run the benchmarks of ``benchmarks/`` and print one table of ratios.
+
+Each ratio is measured side by side in one job (bagua_x against DDP, or
+against per-leaf ``pmean``), on plain loopback and, with ``--bandwidth``, on a
+capped link (a network namespace; root only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+TORCH_ALGORITHMS = ["allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "model_average", "qadam"]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--algorithms", nargs="+", default=TORCH_ALGORITHMS, metavar="NAME",
+                        help=f"torch algorithms to compare with DDP, from {', '.join(TORCH_ALGORITHMS)}")
+    parser.add_argument("--bandwidth", default="1gbit", help="also measure on links capped at this rate (root only)")
+    parser.add_argument("--no-capped", action="store_true", help="measure on plain loopback only")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
+    parser.add_argument("--out", default="bagua_x_bench_out", help="where the JSON and the PNG go")
+
+
+def _benchmarks_dir() -> Path:
+    here = Path(__file__).resolve().parents[2] / "benchmarks"
+    if not (here / "torch_vs_ddp.py").exists():
+        raise SystemExit("bagua-x bench runs the scripts in the repository's benchmarks/ folder; "
+                         "run it from a source checkout (pip install -e .)")
+    return here
+
+
+def _run(cmd: list[str], link: str | None, bench: Path) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        full = [*cmd, "--json", out.name]
+        if link:
+            full = [str(bench / "with_bandwidth.sh"), link, *full]
+        proc = subprocess.run(full, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(full)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        return json.loads(Path(out.name).read_text())
+
+
+def measure(args) -> list[dict]:
+    bench = _benchmarks_dir()
+    links: list[str | None] = [None]
+    if not args.no_capped:
+        if os.geteuid() == 0:
+            links.append(args.bandwidth)
+        else:
+            print(f"(not root: skipping the {args.bandwidth} capped-link runs)")
+    rows = []
+    jobs = [(link, alg) for link in links for alg in args.algorithms] + [(link, "jax") for link in links]
+    for link, what in tqdm(jobs, desc="bagua-x bench"):
+        name = link or "loopback"
+        if what == "jax":
+            r = _run([sys.executable, str(bench / "jax_vs_pmean.py"), "--iters", "10" if args.quick else "20"],
+                     link, bench)
+            for setting, key in (("1 process x 4 devices", "single_process"), ("2 processes x 2 devices", "two_processes")):
+                for row in r[key]:
+                    rows.append({"frontend": "jax", "link": name, "what": f"GradientAllReduce, {row['tree']}, {setting}",
+                                 "baseline": "per-leaf pmean", "baseline_ms": row["pmean"], "bagua_x_ms": row["bagua_x"],
+                                 "ratio": row["bagua_x"] / row["pmean"]})
+            continue
+        few = args.quick or link is not None
+        cmd = [sys.executable, str(bench / "torch_vs_ddp.py"), "--algorithm", what,
+               "--rounds", "3" if few else "5", "--steps", "5" if few else "10"]
+        if link is not None or what != "allreduce":
+            cmd.append("--skip-memory")
+        r = _run(cmd, link, bench)
+        rows.append({"frontend": "torch", "link": name, "what": what, "baseline": "DDP" + (" + Adam" if what == "qadam" else ""),
+                     "baseline_ms": r["ddp_ms"], "bagua_x_ms": r["bagua_x_ms"], "ratio": r["time_ratio"]})
+        if "memory_ratio" in r:
+            rows.append({"frontend": "torch", "link": name, "what": f"{what} (peak memory)", "baseline": "DDP",
+                         "baseline_ms": None, "bagua_x_ms": None, "ratio": r["memory_ratio"]})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'frontend':8s} {'link':9s} {'benchmark':58s} {'baseline':>16s} {'base ms':>9s} {'bagua_x ms':>10s} {'ratio':>6s}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        base = f"{r['baseline_ms']:9.1f}" if r["baseline_ms"] is not None else f"{'':9s}"
+        ours = f"{r['bagua_x_ms']:10.1f}" if r["bagua_x_ms"] is not None else f"{'':10s}"
+        lines.append(f"{r['frontend']:8s} {r['link']:9s} {r['what']:58s} {r['baseline']:>16s} {base} {ours} {r['ratio']:6.2f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['frontend']} {r['link']}: {r['what']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1.5))
+    colors = ["tab:green" if r["ratio"] <= 1 else "tab:red" for r in rows]
+    ax.barh(range(len(rows)), [r["ratio"] for r in rows], color=colors)
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("bagua_x / baseline (lower is better; time unless marked memory)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    rows = measure(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, out / "bench.png")
+    print(f"\nmachine: {os.cpu_count()} CPU cores, gloo; ratios measured side by side in one job\n")
+    print(table(rows))
+    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return 0
