@@ -14,6 +14,13 @@ Weight algorithms (Decentralized, LowPrecisionDecentralized, ModelAverage) use
 
 The algorithms are the framework-free ones of :mod:`bagua_x.algorithms`,
 traced by JAX through :class:`AxisCommunicator` (XLA collectives).
+
+Checkpoints: the algorithm state is an ordinary pytree threaded through the
+step, so save its leaves with the params' and the optimizer state's (e.g.
+``np.savez`` of ``jax.tree.leaves((params, opt_state, state))``, this
+process's rows) and restore with the structure of a fresh
+``(dp.replicate(params), dp.replicate(tx.init(params)), dp.init())``: training
+continues bitwise as if never stopped, QAdam (``dp.qadam()``) included.
 """
 
 from .communicator import AxisCommunicator

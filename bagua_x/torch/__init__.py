@@ -30,6 +30,21 @@ AsyncModelAverage averages in a background thread (``model.abort()`` /
 Per-bucket algorithm state: ``model.algorithm_state_dict()`` /
 ``model.load_algorithm_state_dict()``.  ``model.shutdown()`` removes hooks and threads.
 
+Checkpoints: save each rank's ``model.state_dict()`` (decentralized ranks'
+weights differ), ``optimizer.state_dict()`` and ``model.algorithm_state_dict()``;
+to resume, build model and optimizer, ``wrap()``, *then* load all three (wrap
+copies rank 0's weights to every rank).  Training then continues bitwise as if
+never stopped, for every algorithm except AsyncModelAverage (timing dependent).
+
+Faults: ``wrap(..., timeout=seconds)`` (default: the process group's timeout)
+bounds every wait on communication; a dead, hung or out-of-step rank makes the
+others raise a BaguaXError naming the bucket, its tensors and the ranks that
+had not marked it ready.  Exit then: under ``torchrun --max-restarts N``, the
+job restarts from its last checkpoint (wrap() initialises each restart on
+fresh store keys).  ``check_finite=True`` raises on NaN/inf communicated
+values, naming the tensor.  Bad models (complex or sparse-gradient
+parameters, parameters on several devices) are refused at wrap().
+
 ``bagua_x.torch.enable_bagua_api()`` adds Bagua's tensor methods
 (``ensure_bagua_tensor`` ...) to ``torch.Tensor``; see :mod:`bagua_x.torch.bagua_compat`.
 """

@@ -13,6 +13,11 @@ Each round starts with a tiny allreduce of a stop flag, so ``abort()`` on any
 rank stops the threads of all ranks after the same round (no rank is left
 waiting in a collective).  ``abort()`` and ``resume()`` are collective: call
 them on every rank.
+
+Faults: the thread's collectives raise after wrap's ``timeout``; an error on
+the thread is re-raised on the training thread at the next forward or
+optimizer step (averaging silently stopping would leave ranks drifting apart),
+and ``abort()`` waits for the thread at most ``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ log = logging.getLogger(__name__)
 class AsyncAverageEngine:
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: AsyncModelAverage,
                  comm: TorchCommunicator, bucket_cap_mb: float, optimizer: Optional[torch.optim.Optimizer],
-                 find_unused_parameters: bool):
+                 find_unused_parameters: bool, check_finite: bool = False):
         if optimizer is None:
             raise BaguaXError(
                 "AsyncModelAverage locks the weights during optimizer.step(), so wrap() needs the optimizer: "
@@ -52,13 +57,14 @@ class AsyncAverageEngine:
             )
         self.algorithm = algorithm
         ranks = None if comm.group is None else dist.get_process_group_ranks(comm.group)
-        self.comm = TorchCommunicator(dist.new_group(ranks))  # its own group: never interleaves with others
+        # its own group: never interleaves with others
+        self.comm = TorchCommunicator(dist.new_group(ranks), timeout=comm.timeout)
         tensors = register_parameters(named_params, Target.WEIGHT)
         self.buckets: list[Bucket] = build_buckets(tensors, algorithm, self.comm.size, bucket_cap_mb, "weight_bucket_")
         self._warmup: Optional[GradientEngine] = None
         if algorithm.warmup_steps > 0:
             self._warmup = GradientEngine(named_params, GradientAllReduce(), comm, bucket_cap_mb,
-                                          find_unused_parameters)
+                                          find_unused_parameters, check_finite)
         self._enabled = True
         self.steps = 0
         self.rounds = 0  # averaging rounds completed (for logs and tests)
@@ -68,6 +74,7 @@ class AsyncAverageEngine:
         self._holding = False
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaguaXError] = None  # from the background thread, raised on the training thread
         self._hooks = [optimizer.register_step_post_hook(lambda *_: self._after_step())]
 
     @property
@@ -82,7 +89,13 @@ class AsyncAverageEngine:
             self._warmup.enabled = value
 
     # -- training thread --------------------------------------------------------------------
+    def _raise_thread_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
     def before_forward(self) -> None:
+        self._raise_thread_error()
         if self._warmup is not None:
             self._warmup.before_forward()
         if torch.is_grad_enabled() and not self._holding:
@@ -102,6 +115,7 @@ class AsyncAverageEngine:
                 self._warmup = None
             if self._thread is None and not self._stop.is_set():
                 self._start()
+        self._raise_thread_error()
 
     # -- background thread ------------------------------------------------------------------
     def _start(self) -> None:
@@ -117,8 +131,14 @@ class AsyncAverageEngine:
                 if self.comm.allreduce(flag, ReduceOp.MAX).item() > 0:
                     return
                 self._average()
-        except Exception:  # noqa: BLE001 -- a background thread has nobody to raise to
+        except Exception as e:  # noqa: BLE001 -- re-raised on the training thread
             log.exception("bagua_x: asynchronous model averaging stopped after an error")
+            self._error = BaguaXError(
+                f"asynchronous model averaging (round {self.rounds + 1}, buckets {[b.name for b in self.buckets]}) "
+                f"failed on its thread: {type(e).__name__}: {e}; a rank died or stopped averaging "
+                "(call abort() on every rank before exiting)"
+            )
+            self._error.__cause__ = e
 
     def _average(self) -> None:
         with torch.no_grad():
@@ -151,7 +171,12 @@ class AsyncAverageEngine:
             self._holding = False
             self._lock.release()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(self.comm.timeout)
+            if self._thread.is_alive():
+                raise BaguaXError(
+                    f"abort(): the averaging thread did not stop within {self.comm.timeout:g} s; it is stuck in a "
+                    "collective because another rank died or did not call abort(): exit and restart"
+                )
             self._thread = None
 
     def resume(self) -> None:

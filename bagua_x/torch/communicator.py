@@ -11,6 +11,7 @@ same idea as JAX's ``donate_argnums``.
 from __future__ import annotations
 
 import contextlib
+import datetime
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -31,13 +32,15 @@ _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN, 
 class TorchCommunicator:
     """bagua_x collectives on a ``torch.distributed`` process group (the default group if ``None``)."""
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, timeout: Optional[float] = None):
         if not dist.is_initialized():
             raise BaguaXError(
                 "TorchCommunicator needs torch.distributed to be initialised; call "
                 "torch.distributed.init_process_group() first (or launch with torchrun and use bagua_x.torch.wrap)"
             )
         self.group = process_group
+        #: seconds each CPU collective may take before it raises (None: the process group's timeout)
+        self.timeout = timeout
         self._rank = dist.get_rank(process_group)
         self._size = dist.get_world_size(process_group)
         self._donated: Optional[torch.Tensor] = None
@@ -78,26 +81,26 @@ class TorchCommunicator:
     def allreduce(self, x: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         out = self._writable(x)
         if op is ReduceOp.AVG:
-            dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group)  # gloo has no AVG
+            self._wait(dist.all_reduce(out, dist.ReduceOp.SUM, group=self.group, async_op=True), out)  # gloo: no AVG
             if out.is_floating_point() or out.is_complex():
                 out.div_(self._size)
             else:
                 out.floor_divide_(self._size)
         else:
-            dist.all_reduce(out, _op(op), group=self.group)
+            self._wait(dist.all_reduce(out, _op(op), group=self.group, async_op=True), out)
         return out
 
     def allgather(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty((self._size * x.numel(),), dtype=x.dtype, device=x.device)
-        _all_gather_flat(out, x.reshape(-1), group=self.group)
+        self._wait(_all_gather_flat(out, x.reshape(-1), group=self.group, async_op=True), out)
         return out.reshape((self._size, *x.shape))
 
     def alltoall(self, x: torch.Tensor) -> torch.Tensor:
         self._check_rows(x, "alltoall")
         x = x.contiguous()
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=self.group)
+        self._wait(dist.all_to_all_single(out, x, group=self.group, async_op=True), out)
         return out
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
@@ -107,7 +110,8 @@ class TorchCommunicator:
         torch_op = dist.ReduceOp.SUM if op is ReduceOp.AVG else _op(op)
         if self._native_reduce_scatter:
             try:
-                _reduce_scatter_flat(out.reshape(-1), x.reshape(-1), torch_op, group=self.group)  # gloo: 1-D only
+                self._wait(_reduce_scatter_flat(out.reshape(-1), x.reshape(-1), torch_op, group=self.group,
+                                                async_op=True), out)  # gloo: 1-D only
             except (RuntimeError, NotImplementedError) as e:
                 if "support" not in str(e).lower():  # a real failure, not a backend lacking the collective
                     raise
@@ -120,7 +124,7 @@ class TorchCommunicator:
 
     def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
         out = self._writable(x)
-        dist.broadcast(out, self._global(root), group=self.group)
+        self._wait(dist.broadcast(out, self._global(root), group=self.group, async_op=True), out)
         return out
 
     def permute(self, x: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -137,13 +141,23 @@ class TorchCommunicator:
                 ops.append(dist.P2POp(dist.irecv, out, self._global(src), group=self.group))
         if ops:
             for work in dist.batch_isend_irecv(ops):
-                work.wait()
+                self._wait(work, x)
         return out
 
     def switch(self, index, branches: Sequence[Callable], operand):
         return branches[int(index)](operand)
 
     # -- helpers ----------------------------------------------------------------------------
+    def _wait(self, work, x: torch.Tensor) -> None:
+        """Wait for a collective, raising after ``timeout`` seconds (gloo: "Operation timed out!").
+
+        The bound applies to CPU collectives; NCCL's own watchdog bounds GPU ones.
+        """
+        if self.timeout is None or x.device.type != "cpu":
+            work.wait()
+        else:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import datetime
+import importlib
+import itertools
 import logging
 import os
 from collections import defaultdict
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from ..core.validation import check_same_everywhere, describe
+from .watchdog import resolve_timeout, restart_count, store_allgather
 
-__all__ = ["ensure_initialized", "check_same_model", "broadcast_tensors"]
+if TYPE_CHECKING:
+    from .communicator import TorchCommunicator
+
+__all__ = ["ensure_initialized", "check_same_model", "check_same_buckets", "broadcast_tensors"]
 
 log = logging.getLogger(__name__)
+
+_bucket_checks = itertools.count()  # rebuilds happen in the same order on every rank
 
 
 def ensure_initialized(module: torch.nn.Module) -> None:
@@ -32,7 +42,15 @@ def ensure_initialized(module: torch.nn.Module) -> None:
     backend = "nccl" if on_cuda else "gloo"
     if on_cuda and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend)
+    attempt = restart_count()
+    if attempt:
+        # torchrun restarts workers on the same store, where the previous attempt's process-group keys
+        # (the dead ranks' gloo addresses) remain: connect under a prefix unique to this attempt
+        store, rank, world = next(importlib.import_module("torch.distributed.rendezvous").rendezvous("env://"))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"bagua_x/attempt_{attempt}", store),
+                                rank=rank, world_size=world)
+    else:
+        dist.init_process_group(backend)
     log.info("bagua_x: initialised torch.distributed (%s), rank %d of %d",
              backend, dist.get_rank(), dist.get_world_size())
 
@@ -52,8 +70,27 @@ def check_same_model(module: torch.nn.Module, settings: dict, group: Optional[di
     check_same_everywhere(everyone, "bagua_x.torch.wrap: ranks wrap different models or algorithms")
 
 
-def broadcast_tensors(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], src: int = 0) -> None:
-    """Overwrite ``tensors`` with rank ``src``'s values, one collective per dtype and device."""
+def check_same_buckets(buckets: Sequence[Bucket], settings: dict, comm: "TorchCommunicator", context: str) -> None:
+    """Raise the same BaguaXError on every rank if ranks built different buckets (e.g. when rebuilding them).
+
+    The descriptions travel through the store, not a collective: a rank that
+    does not rebuild at the same moment cannot pair with an unrelated
+    collective, it just fails to arrive within the timeout.
+    """
+    tensors = [(slot.name, slot.shape, b.dtype) for b in buckets for slot in b.layout.slots]
+    layouts = {b.name: b.layout.describe() for b in buckets}
+    mine = describe(tensors, {**settings, **layouts})
+    timeout = comm.timeout if comm.timeout is not None else resolve_timeout(None, comm.group)
+    everyone = store_allgather(f"buckets/{next(_bucket_checks)}", mine, comm.group, timeout, context)
+    check_same_everywhere(everyone, context)
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], src: int = 0,
+                      timeout: Optional[float] = None) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s values, one collective per dtype and device.
+
+    CPU broadcasts raise after ``timeout`` seconds (default: the process group's timeout).
+    """
     groups: dict = defaultdict(list)
     for t in tensors:
         groups[(t.dtype, t.device)].append(t)
@@ -61,7 +98,17 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], group: Optional[dist.Proc
     with torch.no_grad():
         for same in groups.values():
             flat = torch.cat([t.detach().reshape(-1) for t in same])
-            dist.broadcast(flat, root, group=group)
+            try:
+                work = dist.broadcast(flat, root, group=group, async_op=True)
+                if timeout is not None and flat.device.type == "cpu":
+                    work.wait(datetime.timedelta(seconds=timeout))
+                else:
+                    work.wait()
+            except RuntimeError as e:
+                raise BaguaXError(
+                    f"broadcasting {len(same)} parameters/buffers from rank {src} failed: {e}; a rank died or did "
+                    "not reach the same forward (the buffers of a wrapped model are broadcast before each forward)"
+                ) from e
             offset = 0
             for t in same:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))

@@ -31,10 +31,12 @@ from ..core.comm import ReduceOp
 from ..core.readiness import BucketDispatcher
 from ..core.tensor import RegisteredTensor
 from .buckets import build_buckets, load_states, register_parameters, state_dict_of
+from .checks import check_dense_grad, check_finite, non_finite_tensors
 from .communicator import TorchCommunicator
 from .runtime import BackwardHooks, CommWorker
+from .watchdog import StallInspector
 
-__all__ = ["GradientEngine", "run_reduce"]
+__all__ = ["GradientEngine", "run_reduce", "reduce_bucket"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,16 @@ def run_reduce(algorithm: Algorithm, flat: torch.Tensor, state: dict, comm: Torc
         out, state = algorithm.reduce(flat, state, comm)
     if out is not flat:
         flat.copy_(out)
+    return state
+
+
+def reduce_bucket(algorithm: Algorithm, bucket: Bucket, flat: torch.Tensor, state: dict, comm: TorchCommunicator,
+                  finite: bool, what: str) -> dict:
+    """:func:`run_reduce` on one bucket's ``flat`` values, then (``finite``) the check_finite check."""
+    local_bad = non_finite_tensors(bucket, flat) if finite else []
+    state = run_reduce(algorithm, flat, state, comm)
+    if finite:
+        check_finite(bucket, flat, local_bad, what)
     return state
 
 
@@ -67,9 +79,11 @@ class GradientEngine:
     """Runs a gradient algorithm on bucketed ``p.grad`` during backward."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: Algorithm,
-                 comm: TorchCommunicator, bucket_cap_mb: float, find_unused_parameters: bool):
+                 comm: TorchCommunicator, bucket_cap_mb: float, find_unused_parameters: bool,
+                 check_finite: bool = False):
         assert algorithm.target is Target.GRAD
         self.algorithm, self.comm, self.find_unused = algorithm, comm, find_unused_parameters
+        self.check_finite = check_finite
         tensors = register_parameters(named_params, Target.GRAD)
         self._tensors, self._index = tensors, {t.name: i for i, t in enumerate(tensors)}
         self.buckets: list[Bucket] = build_buckets(tensors, algorithm, comm.size, bucket_cap_mb, "grad_bucket_",
@@ -77,7 +91,8 @@ class GradientEngine:
         self.states = [algorithm.init(b.buffer, comm.size) for b in self.buckets]
         self.enabled = True  # False inside no_sync()
         self._dispatcher = BucketDispatcher(self.buckets, self._launch)
-        self._worker = CommWorker("bagua_x-grad-comm", tensors[0].proxy.device)
+        self._worker = CommWorker("bagua_x-grad-comm", tensors[0].proxy.device, comm.timeout,
+                                  StallInspector(comm.group))
         self._hooks = BackwardHooks(tensors, self._on_grad, self._finish, lambda: self.enabled)
         log.info("bagua_x: %s on %d gradient buckets %s", type(algorithm).__name__, len(self.buckets), self.buckets)
 
@@ -85,6 +100,7 @@ class GradientEngine:
     def _on_grad(t: RegisteredTensor) -> None:
         """A gradient is final: re-swap it now if it was recreated (its one copy overlaps the rest of
         backward instead of delaying its bucket's communication), then mark it ready."""
+        check_dense_grad(t.name, t.proxy.grad)
         t.ensure_grad()  # autograd may leave p.grad None (no gradient flowed); communicate zeros then
         if not t.is_view_of(t.bucket.buffer, t.offset, t.bucket.itemsize):
             t.set_registered_storage(t.bucket.buffer, t.offset)
@@ -92,13 +108,13 @@ class GradientEngine:
 
     def _launch(self, bucket: Bucket) -> None:
         i = self.buckets.index(bucket)
-        self._worker.submit(f"{type(self.algorithm).__name__} on {bucket.name} ({', '.join(bucket.layout.names)})",
-                            lambda: self._reduce(i))
+        self._worker.submit(f"{type(self.algorithm).__name__} on {bucket.name}", lambda: self._reduce(i), bucket)
 
     def _reduce(self, i: int) -> None:
         bucket = self.buckets[i]
         bucket.ensure_flattened()
-        self.states[i] = run_reduce(self.algorithm, bucket.buffer, self.states[i], self.comm)
+        self.states[i] = reduce_bucket(self.algorithm, bucket, bucket.buffer, self.states[i], self.comm,
+                                       self.check_finite, "gradient")
 
     def _finish(self) -> None:
         """End of backward: handle unused parameters, wait for every bucket, reset readiness."""

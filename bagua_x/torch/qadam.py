@@ -10,6 +10,12 @@ it ready; ready buckets are averaged with ByteGrad's 8-bit compressed
 allreduce on the communication thread; ``step()`` then applies Adam's update
 with the averaged momentum and the frozen second moment.  The arithmetic is
 the framework-free code of :mod:`bagua_x.algorithms.qadam`.
+
+The phase follows the optimizer's ``step_id`` at each forward, so loading an
+optimizer state dict (from warmup or after it) switches either way; the
+momentum buckets are checked across ranks when they are built (through the
+store, bounded by wrap's timeout), and a reloaded ``exp_avg`` is re-swapped
+into its bucket at the next communication.
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ from ..core.tensor import RegisteredTensor, TensorRegistry
 from .buckets import build_buckets
 from .communicator import TorchCommunicator
 from .grad_sync import GradientEngine
+from .checks import check_finite, non_finite_tensors
+from .distributed import check_same_buckets
 from .runtime import BackwardHooks, CommWorker
+from .watchdog import StallInspector
 
 __all__ = ["QAdamOptimizer", "MomentumEngine"]
 
@@ -92,7 +101,7 @@ class MomentumEngine:
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: QAdam,
                  comm: TorchCommunicator, bucket_cap_mb: float, optimizer: Optional[torch.optim.Optimizer],
-                 find_unused_parameters: bool):
+                 find_unused_parameters: bool, check_finite: bool = False):
         if not isinstance(optimizer, QAdamOptimizer):
             raise BaguaXError(
                 "QAdam communicates the optimizer's momentum, so wrap() needs the QAdamOptimizer: "
@@ -105,12 +114,13 @@ class MomentumEngine:
             )
         self.algorithm, self.comm, self.optimizer = algorithm, comm, optimizer
         self._named, self._cap, self._find_unused = list(named_params), bucket_cap_mb, find_unused_parameters
+        self.check_finite = check_finite
         self._grad_engine: Optional[GradientEngine] = None
         self._momentum_ready = False
         self.enabled = True
         if optimizer.in_warmup:
             self._grad_engine = GradientEngine(self._named, GradientAllReduce(), comm, bucket_cap_mb,
-                                               find_unused_parameters)
+                                               find_unused_parameters, check_finite)
         else:
             self._build_momentum_buckets()
 
@@ -120,9 +130,16 @@ class MomentumEngine:
 
     # -- the switch ---------------------------------------------------------------------------
     def before_forward(self) -> None:
+        warmup = self.optimizer.in_warmup
+        if self._grad_engine is None and warmup:  # an optimizer state saved during warmup was loaded
+            log.info("bagua_x QAdam: optimizer back in warmup at step %d; communicating gradients again",
+                     self.optimizer.step_id)
+            self._close_momentum()
+            self._grad_engine = GradientEngine(self._named, GradientAllReduce(), self.comm, self._cap,
+                                               self._find_unused, self.check_finite)
         if self._grad_engine is not None:
             self._grad_engine.enabled = self.enabled
-            if self.optimizer.in_warmup:
+            if warmup:
                 self._grad_engine.before_forward()
                 return
             self._grad_engine.close()
@@ -148,10 +165,14 @@ class MomentumEngine:
         if missing:
             raise BaguaXError(f"parameters {missing} are not in the QAdamOptimizer; give it model.parameters()")
         self._buckets = build_buckets(tensors, self.algorithm, self.comm.size, self._cap, "momentum_bucket_")
+        # buckets are rebuilt here, mid-training: check that every rank rebuilt the same ones at the same step
+        check_same_buckets(self._buckets, {"QAdam warmup over at step": opt.step_id}, self.comm,
+                           "bagua_x QAdam: momentum buckets built at the end of warmup differ across ranks")
         for b in self._buckets:
             b.flatten()
         self._dispatcher = BucketDispatcher(self._buckets, self._launch)
-        self._worker = CommWorker("bagua_x-momentum-comm", tensors[0].proxy.device)
+        self._worker = CommWorker("bagua_x-momentum-comm", tensors[0].proxy.device, self.comm.timeout,
+                                  StallInspector(self.comm.group))
         self._hooks = BackwardHooks(tensors, self._on_grad, self._finish, lambda: self.enabled)
 
     # -- momentum phase ---------------------------------------------------------------------
@@ -167,11 +188,14 @@ class MomentumEngine:
         t.mark_ready()
 
     def _launch(self, bucket: Bucket) -> None:
-        self._worker.submit(f"QAdam momentum on {bucket.name}", lambda: self._reduce(bucket))
+        self._worker.submit(f"QAdam momentum on {bucket.name}", lambda: self._reduce(bucket), bucket)
 
     def _reduce(self, bucket: Bucket) -> None:
         bucket.ensure_flattened()
+        local_bad = non_finite_tensors(bucket, bucket.buffer) if self.check_finite else []
         bucket.buffer.copy_(compressed_allreduce(bucket.buffer, self.comm, average=True))
+        if self.check_finite:
+            check_finite(bucket, bucket.buffer, local_bad, "momentum")
 
     def _finish(self) -> None:
         try:
@@ -198,5 +222,8 @@ class MomentumEngine:
         if self._grad_engine is not None:
             self._grad_engine.close()
         else:
-            self._hooks.remove()
-            self._worker.close()
+            self._close_momentum()
+
+    def _close_momentum(self) -> None:
+        self._hooks.remove()
+        self._worker.close()

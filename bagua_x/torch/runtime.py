@@ -9,8 +9,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from ..core.tensor import RegisteredTensor
+from .watchdog import StallInspector
 
 __all__ = ["CommWorker", "BackwardHooks"]
 
@@ -21,21 +23,33 @@ class CommWorker:
     A single thread keeps collectives in the same order on every rank (the
     order the main thread submits them in, which BucketDispatcher fixes) while
     letting them overlap with backward on the main thread.
+
+    ``wait`` is bounded by ``timeout`` seconds: a collective stuck in C++
+    (a peer died or stopped communicating) cannot be interrupted, but the
+    caller gets a BaguaXError naming the bucket and, from the
+    :class:`StallInspector`, the ranks that had not marked it ready.  After a
+    timeout the worker stays broken: every later ``wait`` raises at once.
     """
 
-    def __init__(self, name: str, device: Optional[torch.device] = None):
+    def __init__(self, name: str, device: Optional[torch.device] = None, timeout: Optional[float] = None,
+                 inspector: Optional[StallInspector] = None):
         self._device = device
+        self._timeout = timeout
+        self._inspector = inspector
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
         self._done = threading.Condition()
         self._error: Optional[BaseException] = None
+        self._stuck: Optional[BaguaXError] = None
+        self._current: tuple[str, Optional[Bucket]] = ("", None)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, what: str, job: Callable[[], None]) -> None:
+    def submit(self, what: str, job: Callable[[], None], bucket: Optional[Bucket] = None) -> None:
+        """Queue ``job``; ``bucket`` (if any) is what a stall report names."""
         with self._done:
             self._pending += 1
-        self._jobs.put((what, job))
+        self._jobs.put((what, job, bucket))
 
     def _run(self) -> None:
         if self._device is not None and self._device.type == "cuda":
@@ -44,23 +58,41 @@ class CommWorker:
             item = self._jobs.get()
             if item is None:
                 return
-            what, job = item
+            what, job, bucket = item
+            self._current = (what, bucket)
             try:
                 if self._error is None:  # after a failure, skip the rest of the step on this rank
+                    if bucket is not None and self._inspector is not None:
+                        self._inspector.launched(bucket)
                     job()
             except BaseException as e:  # noqa: BLE001 -- re-raised on the main thread by wait()
-                self._error = BaguaXError(f"{what} failed on the communication thread: {type(e).__name__}: {e}")
+                # a BaguaXError is a check that failed (it names the tensor); anything else is communication
+                report = "" if isinstance(e, BaguaXError) else self._report(bucket)
+                self._error = BaguaXError(f"{what} failed on the communication thread: {type(e).__name__}: {e}{report}")
                 self._error.__cause__ = e
             finally:
                 with self._done:
                     self._pending -= 1
                     self._done.notify_all()
 
+    def _report(self, bucket: Optional[Bucket], stuck: bool = False) -> str:
+        return self._inspector.report(bucket, stuck) if self._inspector is not None else ""
+
     def wait(self) -> None:
-        """Block until every submitted job ran; re-raise the first failure on this (the caller's) thread."""
+        """Block until every submitted job ran, at most ``timeout`` seconds; re-raise the first failure here."""
+        if self._stuck is not None:
+            raise self._stuck
         with self._done:
-            self._done.wait_for(lambda: self._pending == 0)
-            error, self._error = self._error, None
+            finished = self._done.wait_for(lambda: self._pending == 0, self._timeout)
+            error, self._error = (self._error, None) if finished else (None, self._error)
+        if not finished:
+            what, bucket = self._current
+            self._stuck = BaguaXError(
+                f"{what} did not complete within {self._timeout:g} s (wrap(timeout=...)){self._report(bucket, True)}. "
+                "The communication thread is still blocked in the collective, so this process group cannot be "
+                "used any more: exit and restart from a checkpoint (torchrun --max-restarts restarts all ranks)"
+            )
+            raise self._stuck
         if error is not None:
             raise error
 

@@ -7,6 +7,8 @@
   gradient computed at the old ones.
 * ``Phase.AFTER_STEP`` (LowPrecisionDecentralized, ModelAverage): after every
   ``optimizer.step()`` (a step post-hook), each bucket is exchanged and written back.
+  The exchange also runs on the communication thread, so that the training
+  thread's wait for it is bounded by wrap's ``timeout`` like every other wait.
 
 Gradients are not communicated: each rank steps with its local gradient.
 The parameters are views of their bucket's flat buffer (``Bucket.flatten``
@@ -28,8 +30,9 @@ from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from .buckets import build_buckets, load_states, register_parameters, state_dict_of
 from .communicator import TorchCommunicator
-from .grad_sync import run_reduce
+from .grad_sync import reduce_bucket
 from .runtime import BackwardHooks, CommWorker
+from .watchdog import StallInspector
 
 __all__ = ["WeightEngine"]
 
@@ -40,9 +43,10 @@ class WeightEngine:
     """Runs a weight algorithm before forward (finished after backward) or after each optimizer step."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: Algorithm,
-                 comm: TorchCommunicator, bucket_cap_mb: float, optimizer: Optional[torch.optim.Optimizer]):
+                 comm: TorchCommunicator, bucket_cap_mb: float, optimizer: Optional[torch.optim.Optimizer],
+                 check_finite: bool = False):
         assert algorithm.target is Target.WEIGHT
-        self.algorithm, self.comm = algorithm, comm
+        self.algorithm, self.comm, self.check_finite = algorithm, comm, check_finite
         tensors = register_parameters(named_params, Target.WEIGHT)
         self.buckets: list[Bucket] = build_buckets(tensors, algorithm, comm.size, bucket_cap_mb, "weight_bucket_")
         with torch.no_grad():
@@ -51,11 +55,11 @@ class WeightEngine:
             self.states = [algorithm.init(b.buffer, comm.size) for b in self.buckets]
         self.enabled = True  # False inside no_sync()
         self._in_flight: Optional[list[torch.Tensor]] = None
-        self._worker: Optional[CommWorker] = None
         self._hooks: Optional[BackwardHooks] = None
         self._step_hook = None
+        self._worker = CommWorker("bagua_x-weight-comm", tensors[0].proxy.device, comm.timeout,
+                                  StallInspector(comm.group))
         if algorithm.phase is Phase.BEFORE_FORWARD:
-            self._worker = CommWorker("bagua_x-weight-comm", tensors[0].proxy.device)
             self._hooks = BackwardHooks(tensors, lambda t: None, self._finish, lambda: self._in_flight is not None)
         elif algorithm.phase is Phase.AFTER_STEP:
             if optimizer is None:
@@ -72,7 +76,7 @@ class WeightEngine:
 
     # -- before forward -------------------------------------------------------------------
     def before_forward(self) -> None:
-        if self._worker is None:
+        if self._hooks is None:
             return
         self._finish()  # a forward without backward: finish the previous exchange first
         if not (self.enabled and torch.is_grad_enabled()):
@@ -81,11 +85,13 @@ class WeightEngine:
             flats = [self._weights(b).clone() for b in self.buckets]
         for i, (b, flat) in enumerate(zip(self.buckets, flats)):
             self._worker.submit(f"{type(self.algorithm).__name__} on {b.name}",
-                                lambda i=i, flat=flat: self._reduce(i, flat))
+                                lambda i=i, flat=flat: self._reduce(i, flat), b)
         self._in_flight = flats
 
     def _reduce(self, i: int, flat: torch.Tensor) -> None:
-        self.states[i] = run_reduce(self.algorithm, flat, self.states[i], self.comm)
+        with torch.no_grad():
+            self.states[i] = reduce_bucket(self.algorithm, self.buckets[i], flat, self.states[i], self.comm,
+                                           self.check_finite, "weights")
 
     def _finish(self) -> None:
         if self._in_flight is None:
@@ -100,9 +106,11 @@ class WeightEngine:
     def after_step(self) -> None:
         if not self.enabled:
             return
-        with torch.no_grad():
-            for i, b in enumerate(self.buckets):
-                self.states[i] = run_reduce(self.algorithm, self._weights(b), self.states[i], self.comm)
+        for i, b in enumerate(self.buckets):
+            flat = self._weights(b)  # on this thread: it may re-point parameters the user replaced
+            self._worker.submit(f"{type(self.algorithm).__name__} on {b.name}",
+                                lambda i=i, flat=flat: self._reduce(i, flat), b)
+        self._worker.wait()
 
     @staticmethod
     def _weights(bucket: Bucket) -> torch.Tensor:
@@ -117,10 +125,11 @@ class WeightEngine:
         load_states(self.buckets, self.states, saved)
 
     def close(self) -> None:
-        self._finish()
-        if self._hooks is not None:
-            self._hooks.remove()
-        if self._worker is not None:
+        try:
+            self._finish()  # an exchange in flight lands in the parameters (or raises why it cannot)
+        finally:
+            if self._hooks is not None:
+                self._hooks.remove()
             self._worker.close()
-        if self._step_hook is not None:
-            self._step_hook.remove()
+            if self._step_hook is not None:
+                self._step_hook.remove()

@@ -9,8 +9,9 @@ backward or the optimizer step according to the algorithm's ``target`` and
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -20,10 +21,12 @@ from ..algorithms.base import Algorithm, Target
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from .async_average import AsyncAverageEngine
+from .checks import input_problem
 from .communicator import TorchCommunicator
 from .distributed import broadcast_tensors, check_same_model, ensure_initialized
 from .grad_sync import GradientEngine
 from .qadam import MomentumEngine, QAdamOptimizer
+from .watchdog import resolve_timeout
 from .weight_sync import WeightEngine
 
 __all__ = ["wrap", "DistributedModel"]
@@ -41,28 +44,35 @@ class DistributedModel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], algorithm: Algorithm,
                  process_group: Optional[dist.ProcessGroup], bucket_cap_mb: float, find_unused_parameters: bool,
-                 broadcast_buffers: bool):
+                 broadcast_buffers: bool, timeout: Union[None, float, datetime.timedelta], check_finite: bool):
         super().__init__()
         self.module = module
         self.algorithm = algorithm
         self.process_group = process_group
-        self.comm = TorchCommunicator(process_group)
+        self.timeout = resolve_timeout(timeout, process_group)
+        self.comm = TorchCommunicator(process_group, timeout=self.timeout)
+        # exchanged with the model description, so a problem on any rank is raised on every rank
+        problem = input_problem(module)
         check_same_model(module, {"algorithm": algorithm.hyperparameters(), "bucket_cap_mb": bucket_cap_mb,
-                                  "find_unused_parameters": find_unused_parameters}, process_group)
-        broadcast_tensors([*module.parameters(), *module.buffers()], process_group)
+                                  "find_unused_parameters": find_unused_parameters, "timeout": self.timeout,
+                                  "check_finite": check_finite, "input check": problem or "passed"}, process_group)
+        if problem:
+            raise BaguaXError(f"bagua_x.torch.wrap: {problem}")
+        broadcast_tensors([*module.parameters(), *module.buffers()], process_group, timeout=self.timeout)
         self._buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
         self._sync_buffers_next = True
         named = list(module.named_parameters())
         if isinstance(algorithm, AsyncModelAverage):
             self._engine = AsyncAverageEngine(named, algorithm, self.comm, bucket_cap_mb, optimizer,
-                                              find_unused_parameters)
+                                              find_unused_parameters, check_finite)
         elif algorithm.target is Target.GRAD:
-            self._engine = GradientEngine(named, algorithm, self.comm, bucket_cap_mb, find_unused_parameters)
+            self._engine = GradientEngine(named, algorithm, self.comm, bucket_cap_mb, find_unused_parameters,
+                                          check_finite)
         elif algorithm.target is Target.WEIGHT:
-            self._engine = WeightEngine(named, algorithm, self.comm, bucket_cap_mb, optimizer)
+            self._engine = WeightEngine(named, algorithm, self.comm, bucket_cap_mb, optimizer, check_finite)
         elif isinstance(algorithm, QAdam):
             self._engine = MomentumEngine(named, algorithm, self.comm, bucket_cap_mb, optimizer,
-                                          find_unused_parameters)
+                                          find_unused_parameters, check_finite)
         else:
             raise BaguaXError(
                 f"{type(algorithm).__name__} communicates {algorithm.target.value!r}, which bagua_x.torch.wrap does "
@@ -76,7 +86,7 @@ class DistributedModel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if self._buffers_to_sync and self._sync_buffers_next:
-            broadcast_tensors(self._buffers_to_sync, self.process_group)
+            broadcast_tensors(self._buffers_to_sync, self.process_group, timeout=self.timeout)
         self._engine.before_forward()
         out = self.module(*args, **kwargs)
         # as DDP: buffers follow rank 0 before a forward that follows a synchronised one
@@ -136,7 +146,8 @@ class DistributedModel(torch.nn.Module):
 def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
          algorithm: Optional[Algorithm] = None, process_group: Optional[dist.ProcessGroup] = None,
          bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
-         broadcast_buffers: bool = True) -> DistributedModel:
+         broadcast_buffers: bool = True, timeout: Union[None, float, datetime.timedelta] = None,
+         check_finite: bool = False) -> DistributedModel:
     """Make ``model`` data parallel with ``algorithm``.
 
     The default is GradientAllReduce (what DDP does), or QAdam when ``optimizer``
@@ -147,6 +158,16 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     checks that ranks agree (a BaguaXError on every rank otherwise) and copies
     rank 0's parameters and buffers to all ranks.  ``optimizer`` is needed by
     algorithms that act after ``optimizer.step()``.
+
+    ``timeout`` (seconds or a ``datetime.timedelta``; default: the process
+    group's timeout) bounds every wait on communication: if a bucket does not
+    complete in time -- a rank died, hangs, or skipped a backward -- the
+    waiting call (``backward()``, ``optimizer.step()``, ``forward``) raises a
+    BaguaXError naming the bucket, its tensors and the ranks that had not
+    marked it ready.  The process group is unusable afterwards: exit and
+    restart from a checkpoint.  ``check_finite=True`` raises when a
+    communicated value (gradient, weight or QAdam momentum) is NaN or infinite
+    after the reduction, naming the tensor, on every rank at the same step.
     """
     if not isinstance(model, torch.nn.Module):
         raise BaguaXError(f"wrap() expects a torch.nn.Module, got {type(model).__name__}")
@@ -154,4 +175,4 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     if algorithm is None:
         algorithm = optimizer.algorithm if isinstance(optimizer, QAdamOptimizer) else GradientAllReduce()
     return DistributedModel(model, optimizer, algorithm, process_group, bucket_cap_mb,
-                            find_unused_parameters, broadcast_buffers)
+                            find_unused_parameters, broadcast_buffers, timeout, check_finite)

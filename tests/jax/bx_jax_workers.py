@@ -354,3 +354,73 @@ def algorithms_worker(steps: int):
             outs.append(np.asarray(multihost_utils.process_allgather(out, tiled=True)))
         results[name] = outs
     return results
+
+
+# -- checkpoint and resume ------------------------------------------------------------------------
+
+
+def _host_local(a) -> np.ndarray:
+    """This process's rows of a pmap-layout array (all rows in one process), as numpy."""
+    shards = sorted(a.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return np.concatenate([np.asarray(s.data).reshape((-1,) + a.shape[1:]) for s in shards])
+
+
+def resumable_pmap(dp, params, x, y, start: int, stop: int, load: str | None = None, save: str | None = None,
+                   lr: float = 1e-2):
+    """Steps ``start..stop`` of :func:`bagua_pmap`'s loop, optionally starting from / ending with a checkpoint.
+
+    The checkpoint is what a user would write: ``np.savez`` of the leaves of
+    params, optimizer state and bagua_x state (this process's devices), put
+    back with the tree structure of a fresh ``replicate`` / ``init``.
+    Returns this process's devices' params.
+    """
+    import jax
+    import optax
+
+    from bagua_x.algorithms import Phase, QAdam
+
+    tx = dp.qadam() if isinstance(dp.algorithm, QAdam) else optax.adam(lr)
+    sync_first = dp.algorithm.phase is Phase.BEFORE_FORWARD
+
+    def step(p, o, st, xb, yb):
+        g = jax.grad(loss_fn)(p, xb, yb)
+        g, st = dp.reduce_gradients(g, st)
+        if sync_first:
+            p, st = dp.sync_params(p, st)
+        u, o = tx.update(g, o, p)
+        p = optax.apply_updates(p, u)
+        if not sync_first:
+            p, st = dp.sync_params(p, st)
+        return p, o, st
+
+    carry = (dp.replicate(params), dp.replicate(tx.init(params)), dp.init())
+    if load is not None:
+        with np.load(load) as saved:
+            leaves = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+        carry = jax.tree.unflatten(jax.tree.structure(carry), leaves)
+    f = jax.pmap(step, axis_name="batch")
+    for s in range(start, stop):
+        carry = jax.block_until_ready(f(*carry, x[s], y[s]))  # see _one_step_in_flight
+    if save is not None:
+        np.savez(save, *[_host_local(a) for a in jax.tree.leaves(carry)])
+    return jax.tree.map(_host_local, carry[0])
+
+
+@_multiprocess
+def resume_worker(algorithm, total: int, k: int, directory: str):
+    """Uninterrupted vs stopped at ``k`` and resumed, across 2 processes (fresh wrap for the resumed part)."""
+    import os
+
+    import jax
+
+    import bagua_x.jax as bxj
+
+    rank = jax.process_index()
+    params = make_params(0)
+    x, y = make_data(total, 4)
+    x, y = x[:, 2 * rank:2 * rank + 2], y[:, 2 * rank:2 * rank + 2]
+    path = os.path.join(directory, f"process{rank}.npz")
+    full = resumable_pmap(bxj.wrap(params, algorithm=algorithm), params, x, y, 0, total)
+    resumable_pmap(bxj.wrap(params, algorithm=algorithm), params, x, y, 0, k, save=path)
+    resumed = resumable_pmap(bxj.wrap(params, algorithm=algorithm), make_params(1), x, y, k, total, load=path)
+    return full, resumed

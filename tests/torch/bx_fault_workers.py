@@ -1,0 +1,168 @@
+"""Worker functions for fault and bad-input tests (import name ``bx_fault_workers``).
+
+Each returns what the test checks, or lets the BaguaXError propagate so that
+``run_workers(..., expect_failure=True)`` reports it per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def _init():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _step(wrapped, opt, backward=True):
+    import torch
+
+    opt.zero_grad()
+    loss = wrapped(torch.randn(3, 4)).sum()
+    if backward:
+        loss.backward()
+    opt.step()
+
+
+def rank_dies(algorithm="GradientAllReduce", timeout=5.0, steps_before=3):
+    """Rank 1 exits abruptly after a few steps; rank 0 must raise a BaguaXError within the timeout."""
+    import torch
+
+    from bagua_x import algorithms
+    import bagua_x.torch as bxt
+
+    rank, _ = _init()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    wrapped = bxt.wrap(model, opt, algorithm=getattr(algorithms, algorithm)(), timeout=timeout)
+    for _ in range(steps_before):
+        _step(wrapped, opt)
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < timeout + 10:
+            _step(wrapped, opt)
+            time.sleep(0.01)  # AsyncModelAverage: let its thread run into the dead peer
+    except Exception as e:  # noqa: BLE001 -- the test checks type and message
+        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    return {"type": None, "seconds": time.monotonic() - start}
+
+
+def rank_skips_backward(timeout=4.0, algorithm="GradientAllReduce"):
+    """Rank 1 skips one backward (a weight algorithm: one optimizer step) and then idles: rank 0's last
+    backward (optimizer step) must name the bucket and rank 1."""
+    import torch
+
+    from bagua_x import algorithms
+    import bagua_x.torch as bxt
+
+    rank, _ = _init()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    wrapped = bxt.wrap(model, opt, algorithm=getattr(algorithms, algorithm)(), timeout=timeout)
+    start = time.monotonic()
+    try:
+        for step in range(3):
+            if rank == 1 and step == 1 and algorithm == "ModelAverage":
+                _step(wrapped, torch.optim.SGD(model.parameters(), lr=0.01))  # not the hooked optimizer
+                continue
+            _step(wrapped, opt, backward=not (rank == 1 and step == 1))
+    except Exception as e:  # noqa: BLE001
+        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    if rank == 1:
+        time.sleep(timeout + 3)  # alive but not communicating: "not ready", not dead
+    return {"type": None}
+
+
+def bad_input(case):
+    """wrap() or the first steps on a bad model: the BaguaXError message (same on every rank)."""
+    import torch
+
+    from bagua_x.algorithms import ModelAverage
+    from bagua_x.core import BaguaXError
+    import bagua_x.torch as bxt
+
+    _init()
+    torch.manual_seed(0)
+    try:
+        if case == "complex":
+            model = torch.nn.Linear(3, 3)
+            model.weight = torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.complex64))
+            bxt.wrap(model)
+        elif case == "sparse":
+            bxt.wrap(torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2)))
+        elif case == "sparse_at_backward":
+            model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2))
+            wrapped = bxt.wrap(model)
+            model[0].sparse = True  # after wrap: only backward can tell
+            wrapped(torch.tensor([1, 2])).sum().backward()
+        elif case == "devices":
+            model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3, device="meta"))
+            bxt.wrap(model)
+        elif case == "shape":
+            model = torch.nn.Linear(4, 4)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            wrapped = bxt.wrap(model, opt, algorithm=ModelAverage())
+            model.weight.data = torch.zeros(4, 5)  # re-pointed by the user to a differently shaped tensor
+            wrapped(torch.randn(3, 5)).sum().backward()
+            opt.step()
+        elif case == "nonfinite":
+            model = torch.nn.Linear(4, 2)
+            wrapped = bxt.wrap(model, check_finite=True)
+            x = torch.ones(3, 4)
+            if torch.distributed.get_rank() == 1:
+                x[0, 0] = float("nan")
+            wrapped(x).sum().backward()
+        elif case == "nonfinite_off":
+            model = torch.nn.Linear(4, 2)
+            wrapped = bxt.wrap(model)
+            wrapped(torch.full((3, 4), float("inf"))).sum().backward()
+            return None
+    except BaguaXError as e:
+        return str(e)
+    return "no error"
+
+
+
+def qadam_switch_mismatch(timeout=4.0):
+    """Rank 1's QAdam optimizer is past warmup (as if it loaded a later checkpoint), rank 0's is not."""
+    import bagua_x.torch as bxt
+
+    rank, _ = _init()
+    model = _model()
+    opt = bxt.QAdamOptimizer(model.parameters(), lr=1e-2, warmup_steps=2)
+    wrapped = bxt.wrap(model, opt, timeout=timeout)
+    if rank == 1:
+        opt.step_id = 5
+    try:
+        _step(wrapped, opt)
+    except Exception as e:  # noqa: BLE001
+        if rank == 0:
+            time.sleep(3)  # rank 0 hosts the store: stay until rank 1's check has timed out too
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": None}
+
+
+def qadam_switch_agrees():
+    """Both ranks cross the end of warmup: the store-based bucket check passes and training goes on."""
+    import bagua_x.torch as bxt
+
+    _init()
+    model = _model()
+    opt = bxt.QAdamOptimizer(model.parameters(), lr=1e-2, warmup_steps=2)
+    wrapped = bxt.wrap(model, opt, bucket_cap_mb=5e-5)
+    for _ in range(4):
+        _step(wrapped, opt)
+    return [b.name for b in wrapped.buckets]

@@ -1,0 +1,76 @@
+"""Faults and bad input: a dead or stalled rank makes the others raise within wrap's timeout, naming the
+bucket and the ranks behind; bad models are refused at wrap() by name."""
+
+import os
+
+import pytest
+
+from launch import run_workers
+
+ENV = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+
+
+@pytest.mark.parametrize("algorithm", ["GradientAllReduce", "Decentralized", "ModelAverage", "AsyncModelAverage"])
+def test_survivor_raises_when_a_rank_dies(algorithm):
+    timeout = 5.0
+    results = run_workers("bx_fault_workers:rank_dies", nproc=2, timeout=90, env=ENV, args=(algorithm, timeout),
+                          expect_failure=True)
+    kind, out = results[0]
+    assert kind == "ok", out
+    assert out["type"] == "BaguaXError", out
+    assert out["seconds"] < timeout + 10, out
+    assert "bucket_0" in out["message"], out["message"]
+    assert results[1][0] == "error"  # rank 1 exited without a result
+
+
+@pytest.mark.parametrize("algorithm,bucket", [("GradientAllReduce", "grad_bucket_0"),
+                                              ("ModelAverage", "weight_bucket_0")])
+def test_skipped_step_names_bucket_and_rank(algorithm, bucket):
+    timeout = 4.0
+    results = run_workers("bx_fault_workers:rank_skips_backward", nproc=2, timeout=90, env=ENV,
+                          args=(timeout, algorithm))
+    out = results[0]
+    assert out["type"] == "BaguaXError", out
+    assert timeout - 0.5 < out["seconds"] < timeout + 10, out
+    message = out["message"]
+    assert f"{bucket} did not complete within 4 s" in message, message
+    assert "'0.weight'" in message and "'2.bias'" in message, message
+    assert "ranks [1] had not marked it ready" in message, message
+    assert "rank 1: 2 times" in message and "this rank 0: 3 times" in message, message
+    assert results[1]["type"] is None
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("complex", ["'weight'", "complex64", "view_as_real"]),
+    ("sparse", ["'0.weight'", "sparse=True", "sparse=False"]),
+    ("sparse_at_backward", ["'0.weight'", "sparse", "dense"]),
+    ("devices", ["'0.weight' on cpu", "'1.weight' on meta", "model.to(device)"]),
+    ("shape", ["'weight'", "(4, 5)", "(4, 4)"]),
+    ("nonfinite", ["non-finite gradient", "tensors ['weight']"]),
+])
+def test_bad_input_is_named(case, expected):
+    messages = run_workers("bx_fault_workers:bad_input", nproc=2, timeout=60, env=ENV, args=(case,))
+    for message in messages:
+        for piece in expected:
+            assert piece in message, (piece, message)
+    if case == "nonfinite":  # checked after the reduction: both ranks raise, each saying whose input was bad
+        assert "this rank's own gradient was finite" in messages[0]
+        assert "this rank's own gradient was already non-finite in ['weight']" in messages[1]
+    elif case != "sparse_at_backward":
+        assert messages[0] == messages[1]
+
+
+def test_check_finite_is_off_by_default():
+    assert run_workers("bx_fault_workers:bad_input", nproc=2, timeout=60, env=ENV, args=("nonfinite_off",)) == \
+        [None, None]
+
+
+def test_qadam_rebuild_is_checked_across_ranks():
+    """QAdam rebuilds its buckets when warmup ends: ranks that switch at different steps fail within the timeout
+    (the check goes through the store, so it cannot pair with rank 0's gradient allreduce)."""
+    r0, r1 = run_workers("bx_fault_workers:qadam_switch_mismatch", nproc=2, timeout=90, env=ENV, args=(4.0,))
+    assert r1["type"] == "BaguaXError" and "momentum buckets" in r1["message"], r1
+    assert "ranks [0] did not arrive within 4 s" in r1["message"], r1
+    assert r0["type"] == "BaguaXError" and "ranks [1] had not marked it ready" in r0["message"], r0
+    names = run_workers("bx_fault_workers:qadam_switch_agrees", nproc=2, timeout=90, env=ENV)
+    assert names[0] == names[1] and len(names[0]) > 1 and names[0][0].startswith("momentum_bucket_")
