@@ -12,6 +12,10 @@ __all__ = ["GradientAllReduce"]
 
 @dataclasses.dataclass(frozen=True)
 class GradientAllReduce(Algorithm):
+    """``hierarchical=True``: reduce within each node, allreduce among node leaders,
+    broadcast within the node, where the communicator offers it (torch); XLA
+    collectives choose their own topology-aware lowering, so JAX runs it flat."""
+
     average: bool = True
     hierarchical: bool = False
     donates_input = True

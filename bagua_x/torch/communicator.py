@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -157,6 +158,43 @@ class TorchCommunicator:
             work.wait()
         else:
             work.wait(datetime.timedelta(seconds=self.timeout))
+
+    # -- hierarchical allreduce -----------------------------------------------------------------
+    def enable_hierarchical(self, local_world_size: Optional[int] = None) -> None:
+        """Build node-local and cross-node groups (collective: every rank calls it once).
+
+        Nodes are consecutive blocks of ``local_world_size`` ranks (torchrun's
+        ``LOCAL_WORLD_SIZE``); the first rank of each node is its leader.
+        """
+        if self.group is not None:
+            raise BaguaXError("hierarchical allreduce needs the default process group (process_group=None)")
+        local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", self._size))
+        if local < 1 or self._size % local:
+            raise BaguaXError(
+                f"hierarchical allreduce: world size {self._size} is not a multiple of LOCAL_WORLD_SIZE={local}; "
+                "launch the same number of ranks on every node"
+            )
+        nodes = [list(range(n, n + local)) for n in range(0, self._size, local)]
+        for ranks in nodes:  # every rank creates every group, in the same order
+            group = dist.new_group(ranks)
+            if self._rank in ranks:
+                self._node_group, self._leader = group, ranks[0]
+        self._leaders_group = dist.new_group([ranks[0] for ranks in nodes])
+
+    def hierarchical_allreduce(self, x: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """Reduce within the node to its leader, allreduce among leaders, broadcast within the node."""
+        if not hasattr(self, "_node_group"):
+            raise BaguaXError("hierarchical_allreduce before enable_hierarchical(); wrap() does this when "
+                              "the algorithm has hierarchical=True")
+        out = self._writable(x)
+        torch_op = dist.ReduceOp.SUM if op is ReduceOp.AVG else _op(op)
+        self._wait(dist.reduce(out, self._leader, torch_op, group=self._node_group, async_op=True), out)
+        if self._rank == self._leader:
+            self._wait(dist.all_reduce(out, torch_op, group=self._leaders_group, async_op=True), out)
+        self._wait(dist.broadcast(out, self._leader, group=self._node_group, async_op=True), out)
+        if op is ReduceOp.AVG:
+            out = out.div_(self._size) if out.is_floating_point() else out.floor_divide_(self._size)
+        return out
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)

@@ -51,6 +51,8 @@ class DistributedModel(torch.nn.Module):
         self.process_group = process_group
         self.timeout = resolve_timeout(timeout, process_group)
         self.comm = TorchCommunicator(process_group, timeout=self.timeout)
+        if getattr(algorithm, "hierarchical", False):
+            self.comm.enable_hierarchical()
         # exchanged with the model description, so a problem on any rank is raised on every rank
         problem = input_problem(module)
         check_same_model(module, {"algorithm": algorithm.hyperparameters(), "bucket_cap_mb": bucket_cap_mb,
