@@ -54,7 +54,9 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from .comm import ReduceOp
-from .dlpack import BufferInfo, buffer_info, is_jax_owned
+from .dlpack import (
+    _DTYPE_NAMES, BufferInfo, _DLDataType, _DLDevice, _DLManagedTensor, buffer_info, is_jax_owned,
+)
 from .errors import BaguaXError
 
 __all__ = [
@@ -239,37 +241,8 @@ def _next_key(name: str) -> str:
 # --------------------------------------------------------------------------------------------
 # A DLPack producer for memory bagua_x owns (results handed to JAX)
 # --------------------------------------------------------------------------------------------
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
-
-
-# dtype name (core.dlpack spelling) -> (DLDataTypeCode, bits)
-DLPACK_DTYPES = {
-    "int8": (0, 8), "int16": (0, 16), "int32": (0, 32), "int64": (0, 64),
-    "uint8": (1, 8), "uint16": (1, 16), "uint32": (1, 32), "uint64": (1, 64),
-    "float16": (2, 16), "float32": (2, 32), "float64": (2, 64),
-    "bfloat16": (4, 16), "complex64": (5, 64), "complex128": (5, 128), "bool": (6, 8),
-}
+# the DLPack structures and dtype codes are core.dlpack's
+DLPACK_DTYPES = {name: code_bits for code_bits, name in _DTYPE_NAMES.items()}  # dtype name -> (code, bits)
 
 _CAPSULE_NAME = b"dltensor"  # must outlive every capsule: module constant
 _PyCapsule_New = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
