@@ -40,6 +40,15 @@ class BucketDispatcher:
         """Buckets not dispatched yet (for stall reports)."""
         return self.buckets[self._next :]
 
+    def unready_tensors(self) -> list:
+        """Tensors of buckets not dispatched yet that were not marked ready this step
+        (e.g. parameters unused in forward), listed before any of them is marked."""
+        unready = []
+        for bucket in self.pending():
+            missing = set(bucket.not_ready())
+            unready.extend(t for t in bucket.tensors if t.name in missing)
+        return unready
+
     def check_all_dispatched(self) -> None:
         if not self.all_dispatched:
             stuck = self.buckets[self._next]

@@ -136,12 +136,9 @@ class GradientEngine:
         parameters had no gradient (p.grad None) on every rank.
         """
         had_none = torch.zeros(len(self._tensors), dtype=torch.int32, device=self._tensors[0].proxy.device)
-        for bucket in self._dispatcher.pending():
-            missing = set(bucket.not_ready())
-            for t in bucket.tensors:
-                if t.name in missing:
-                    had_none[self._index[t.name]] = int(t.proxy.grad is None)
-                    self._on_grad(t)
+        for t in self._dispatcher.unready_tensors():
+            had_none[self._index[t.name]] = int(t.proxy.grad is None)
+            self._on_grad(t)
         self._worker.submit("the unused-parameter check",
                             lambda: had_none.copy_(self.comm.allreduce(had_none, ReduceOp.MIN)))
         return had_none

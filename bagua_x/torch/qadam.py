@@ -200,11 +200,8 @@ class MomentumEngine:
     def _finish(self) -> None:
         try:
             if self._find_unused:
-                for bucket in self._dispatcher.pending():
-                    missing = set(bucket.not_ready())
-                    for t in bucket.tensors:
-                        if t.name in missing:
-                            self._on_grad(t)
+                for t in self._dispatcher.unready_tensors():
+                    self._on_grad(t)
             self._worker.wait()
             self._dispatcher.check_all_dispatched()
         finally:

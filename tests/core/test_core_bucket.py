@@ -128,6 +128,7 @@ def test_dispatch_is_in_fixed_order_whatever_the_readiness_order():
     tensors[0].mark_ready()
     tensors[0].mark_ready()  # marking twice is harmless
     assert order == []
+    assert d.unready_tensors() == [tensors[1]]
     with pytest.raises(BaguaXError, match="'b0'.*t1"):
         d.check_all_dispatched()
     tensors[1].mark_ready()
