@@ -1,6 +1,6 @@
 """MinMaxUInt8 compression throughput: eager torch, torch.compile and jax.jit, on CPU or GPU.
 
-Times ``compress_rows`` (float32 (R, K) -> uint8 (R, K) + float32 (R, 2)) and
+Times ``compress_rows`` (float32 (R, K) -> uint8 (R, K + 8): bytes, then min and max) and
 ``decompress_rows`` (back to float32) from ``bagua_x.algorithms.compression``,
 the kernels of ByteGrad and low-precision decentralized SGD.  Throughput counts
 the bytes a single fused pass must move -- each input read once, each output
@@ -62,21 +62,21 @@ def torch_cases(rows, cols, want_gpu, compile_too):
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(rows, cols, device=device, generator=g)
-    q, mm = compress_rows(x)
+    packed = compress_rows(x)
 
     def sync(out):
         if device == "cuda":
             torch.cuda.synchronize()
 
-    cases = [("torch eager", device, name, lambda: compress_rows(x), lambda: decompress_rows(q, mm), sync)]
+    cases = [("torch eager", device, name, lambda: compress_rows(x), lambda: decompress_rows(packed), sync)]
     if compile_too:
         # array_api_compat's lru_cache'd namespace lookup is traced through; harmless, and noisy
         warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
         try:
             c, d = torch.compile(compress_rows), torch.compile(decompress_rows)
             sync(c(x))
-            sync(d(q, mm))  # compile outside the timing
-            cases.append(("torch.compile", device, name, lambda: c(x), lambda: d(q, mm), sync))
+            sync(d(packed))  # compile outside the timing
+            cases.append(("torch.compile", device, name, lambda: c(x), lambda: d(packed), sync))
         except Exception as e:  # noqa: BLE001 - no C++ compiler, unsupported platform, ...
             print(f"torch.compile unavailable here: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     return cases
@@ -91,13 +91,13 @@ def jax_cases(rows, cols, want_gpu):
     name = dev.device_kind
     x = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (rows, cols), jnp.float32), dev)
     c, d = jax.jit(compress_rows), jax.jit(decompress_rows)
-    q, mm = c(x)
+    packed = c(x)
 
     def sync(out):
         jax.block_until_ready(out)
 
     where = "cuda" if gpus else "cpu"
-    return [("jax.jit", where, name, lambda: c(x), lambda: d(q, mm), sync)]
+    return [("jax.jit", where, name, lambda: c(x), lambda: d(packed), sync)]
 
 
 def main(argv=None):

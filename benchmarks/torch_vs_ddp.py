@@ -115,7 +115,7 @@ def time_job(rank: int, nproc: int, port: int, args, results):
     for system in ("ddp", "bagua_x"):
         model, opt = build(seed=rank, system=system, algorithm=args.algorithm)
         systems[system] = (wrap_system(system, model, opt, args), opt)
-    for model, opt in systems.values():  # warm-up: allocator, first-step state, gloo connections
+    for model, opt in systems.values():  # warm-up: compiled kernels, allocator, first-step state, gloo connections
         timed(model, opt, x, y, args.warmup)
     times = {s: [] for s in systems}
     for _ in range(args.rounds):
@@ -171,7 +171,7 @@ def main():
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps before the rounds")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--ddp-bucket-view", action="store_true", help="DDP with gradient_as_bucket_view=True")
     parser.add_argument("--skip-memory", action="store_true")

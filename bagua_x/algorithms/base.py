@@ -43,8 +43,10 @@ class Algorithm:
 
     target = Target.GRAD
     phase = Phase.AFTER_BACKWARD
-    #: ``reduce`` never reads ``flat`` after handing it to its first collective, so a
+    #: ``reduce`` consumes ``flat``: it may write its result over it (where arrays are
+    #: mutable) and never reads it after handing it to its first collective, so a
     #: frontend may let that collective work in place on the bucket buffer (no copy).
+    #: Frontends hand such an algorithm only buffers they overwrite with the result.
     donates_input = False
 
     def alignment(self, world_size: int) -> int:

@@ -12,26 +12,40 @@ from __future__ import annotations
 
 import dataclasses
 
+from array_api_compat import is_writeable_array
+
 from .base import Algorithm, compressed_bytes, namespace
 from .compression import compress_rows, decompress_rows, reduce_requantize
 
-__all__ = ["ByteGrad", "compressed_allreduce"]
+__all__ = ["ByteGrad", "compressed_allreduce", "overwritable"]
 
 
-def compressed_allreduce(flat, comm, average: bool = True):
-    """The ByteGrad exchange on a flat float array whose length is a multiple of ``comm.size``."""
+def compressed_allreduce(flat, comm, average: bool = True, out=None):
+    """The ByteGrad exchange on a flat float array whose length is a multiple of ``comm.size``.
+
+    ``out`` (writable, flat's shape and dtype; ``flat`` itself is allowed: it is
+    not read after compression) receives the result and is returned.
+    """
     xp = namespace(flat)
     n = comm.size
-    chunks = xp.reshape(flat, (n, -1))
-    q, mm = compress_rows(chunks)
-    q, mm = reduce_requantize(comm.alltoall(q), comm.alltoall(mm), average)
-    gathered = decompress_rows(comm.allgather(q[0, :]), comm.allgather(mm[0, :]))
-    return xp.astype(xp.reshape(gathered, (-1,)), flat.dtype)
+    mine = reduce_requantize(comm.alltoall(compress_rows(xp.reshape(flat, (n, -1)))), average)
+    gathered = comm.allgather(mine[0, :])
+    if out is not None:
+        decompress_rows(gathered, out=xp.reshape(out, (n, -1)))
+        return out
+    return xp.astype(xp.reshape(decompress_rows(gathered), (-1,)), flat.dtype)
+
+
+def overwritable(flat):
+    """``flat`` if its array library allows writing into it (torch, numpy), else None (JAX)."""
+    return flat if is_writeable_array(flat) else None
 
 
 @dataclasses.dataclass(frozen=True)
 class ByteGrad(Algorithm):
     average: bool = True
+    donates_input = True  # the result is written over the bucket where arrays are mutable
+
 
     def alignment(self, world_size):
         return world_size
@@ -40,4 +54,4 @@ class ByteGrad(Algorithm):
         return compressed_bytes(numel, world_size)
 
     def reduce(self, flat, state, comm):
-        return compressed_allreduce(flat, comm, self.average), state
+        return compressed_allreduce(flat, comm, self.average, out=overwritable(flat)), state

@@ -49,10 +49,10 @@ class LowPrecisionDecentralized(Algorithm):
         def communicate(carry):
             x, w, left, right = carry
             d = x + left / 3 + right / 3 - 5 * w / 3
-            q, mm = compress_rows(xp.reshape(d, (1, -1)))
-            left = left + xp.reshape(decompress_rows(comm.permute(q, from_left), comm.permute(mm, from_left)), x.shape)
-            right = right + xp.reshape(decompress_rows(comm.permute(q, from_right), comm.permute(mm, from_right)), x.shape)
-            x = w + xp.reshape(decompress_rows(q, mm), x.shape)
+            q = compress_rows(xp.reshape(d, (1, -1)))
+            left = left + xp.reshape(decompress_rows(comm.permute(q, from_left)), x.shape)
+            right = right + xp.reshape(decompress_rows(comm.permute(q, from_right)), x.shape)
+            x = w + xp.reshape(decompress_rows(q), x.shape)
             return x, x, left, right
 
         carry = (xp.astype(flat, xp.float32, copy=False), state["w"], state["left"], state["right"])

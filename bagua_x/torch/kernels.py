@@ -36,7 +36,7 @@ def install() -> None:
     """Register the compiled kernels for torch arrays (idempotent)."""
     try:
         kernels = {name: _compiled(getattr(compression, f"{name}_eager"))
-                   for name in ("compress_rows", "decompress_rows", "reduce_requantize")}
+                   for name in ("compress_rows", "decompress_rows", "decompress_rows_into", "reduce_requantize")}
     except RuntimeError as e:  # torch.compile unavailable on this platform: eager is still correct
         log.info("bagua_x: torch.compile unavailable (%s); compression stays eager", e)
         return

@@ -193,7 +193,7 @@ class MomentumEngine:
     def _reduce(self, bucket: Bucket) -> None:
         bucket.ensure_flattened()
         local_bad = non_finite_tensors(bucket, bucket.buffer) if self.check_finite else []
-        bucket.buffer.copy_(compressed_allreduce(bucket.buffer, self.comm, average=True))
+        compressed_allreduce(bucket.buffer, self.comm, average=True, out=bucket.buffer)
         if self.check_finite:
             check_finite(bucket, bucket.buffer, local_bad, "momentum")
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import reference as ref
-from bagua_x.algorithms.compression import compress_rows, decompress_rows, quantize_roundtrip
+from bagua_x.algorithms.compression import HEADER_BYTES, compress_rows, decompress_rows, quantize_roundtrip, unpack_rows
 
 
 def assert_within_one_step(x, y):
@@ -20,13 +20,15 @@ def assert_within_one_step(x, y):
 
 def test_matches_bagua_formula_on_ordinary_gradients():
     x = np.random.default_rng(0).standard_normal((4, 1000)).astype(np.float32) * 0.1
-    q, mm = compress_rows(x)
-    assert q.dtype == np.uint8
-    for row, qrow, mmrow in zip(x, q, mm):
+    packed = compress_rows(x)
+    assert packed.dtype == np.uint8 and packed.shape == (4, 1000 + HEADER_BYTES)
+    q, mm = unpack_rows(packed)
+    for row, prow, qrow, mmrow in zip(x, packed, q, mm):
         rq, mn, mx = ref.quantize(row)
         assert mmrow[0] == mn and mmrow[1] == mx
+        assert np.array_equal(prow[-HEADER_BYTES:].view(np.float32), [mn, mx])  # the header: min, max as float32
         assert np.abs(qrow.astype(int) - rq.astype(int)).max() <= 1
-        assert np.abs(decompress_rows(qrow[None], mmrow[None])[0] - ref.dequantize(rq, mn, mx)).max() \
+        assert np.abs(decompress_rows(prow[None])[0] - ref.dequantize(rq, mn, mx)).max() \
             <= ref.step_size(row) * 1.001
 
 
@@ -58,14 +60,19 @@ def test_round_trip_error_is_within_one_step(x):
     assert_within_one_step(x, y)
 
 
-def test_torch_and_jax_give_the_numpy_result():
+@pytest.mark.parametrize("shape", [(3, 257), (1, 145)])  # odd widths: the header bytes sit unaligned
+def test_torch_and_jax_give_the_numpy_result(shape):
     torch = pytest.importorskip("torch")
     jnp = pytest.importorskip("jax.numpy")
-    x = np.random.default_rng(1).standard_normal((3, 257)).astype(np.float32)
-    qn, mn = compress_rows(x)
-    qt, mt = compress_rows(torch.from_numpy(x))
-    qj, mj = compress_rows(jnp.asarray(x))
-    assert np.array_equal(qn, qt.numpy()) and np.array_equal(qn, np.asarray(qj))
-    assert np.array_equal(mn, mt.numpy()) and np.array_equal(mn, np.asarray(mj))
-    assert np.allclose(decompress_rows(qn, mn), decompress_rows(qt, mt).numpy(), rtol=0, atol=1e-6)
-    assert np.allclose(decompress_rows(qn, mn), np.asarray(decompress_rows(qj, mj)), rtol=0, atol=1e-6)
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    pn, pt, pj = compress_rows(x), compress_rows(torch.from_numpy(x)), compress_rows(jnp.asarray(x))
+    assert np.array_equal(pn, pt.numpy()) and np.array_equal(pn, np.asarray(pj))  # the same bytes, header included
+    assert np.allclose(decompress_rows(pn), decompress_rows(pt).numpy(), rtol=0, atol=1e-6)
+    assert np.allclose(decompress_rows(pn), np.asarray(decompress_rows(pj)), rtol=0, atol=1e-6)
+
+
+def test_decompress_into_writes_the_result_over_out():
+    x = np.random.default_rng(2).standard_normal((2, 100)).astype(np.float32)
+    packed, out = compress_rows(x), np.zeros((2, 100), np.float32)
+    assert decompress_rows(packed, out=out) is out
+    assert np.array_equal(out, decompress_rows(packed))

@@ -10,12 +10,15 @@ from bagua_x.torch.kernels import MIN_NUMEL
 def test_fused_kernels_are_registered_and_bitwise_equal():
     x = torch.randn(2, MIN_NUMEL // 2 + 3)
     assert compression._fused("compress_rows", x) is not None
-    q, mm = compression.compress_rows(x)
-    q0, mm0 = compression.compress_rows_eager(x)
-    assert torch.equal(q, q0) and torch.equal(mm, mm0)
-    assert torch.equal(compression.decompress_rows(q, mm), compression.decompress_rows_eager(q0, mm0))
-    for a, b in zip(compression.reduce_requantize(q, mm, True), compression.reduce_requantize_eager(q0, mm0, True)):
-        assert torch.equal(a, b)
+    packed = compression.compress_rows(x)
+    assert torch.equal(packed, compression.compress_rows_eager(x))
+    assert torch.equal(compression.decompress_rows(packed), compression.decompress_rows_eager(packed))
+    for dtype in (torch.float32, torch.bfloat16):
+        out, out0 = torch.empty(x.shape, dtype=dtype), torch.empty(x.shape, dtype=dtype)
+        assert compression.decompress_rows(packed, out=out) is out
+        compression.decompress_rows_into_eager(packed, out0)
+        assert torch.equal(out, out0) and torch.equal(out, compression.decompress_rows_eager(packed).to(dtype))
+    assert torch.equal(compression.reduce_requantize(packed, True), compression.reduce_requantize_eager(packed, True))
 
 
 def test_small_arrays_stay_eager():
