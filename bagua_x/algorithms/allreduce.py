@@ -12,9 +12,10 @@ __all__ = ["GradientAllReduce"]
 
 @dataclasses.dataclass(frozen=True)
 class GradientAllReduce(Algorithm):
-    """``hierarchical=True``: reduce within each node, allreduce among node leaders,
-    broadcast within the node, where the communicator offers it (torch); XLA
-    collectives choose their own topology-aware lowering, so JAX runs it flat."""
+    """``hierarchical=True``: reduce within each node, then across nodes, where the
+    communicator offers it: torch (leaders' allreduce, nodes from ``LOCAL_WORLD_SIZE``)
+    and JAX under ``pmap`` (nodes: each process's devices).  Elsewhere (``shard_map``,
+    the NCCL communicator) it is one flat allreduce, with the same result."""
 
     average: bool = True
     hierarchical: bool = False

@@ -8,8 +8,10 @@ algorithms in :mod:`bagua_x.algorithms` run on it unchanged, on traced arrays.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Sequence
+import logging
+from typing import Any, Callable, Hashable, Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -17,6 +19,8 @@ from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
 
 __all__ = ["AxisCommunicator", "axis_size"]
+
+log = logging.getLogger(__name__)
 
 try:  # not yet exported by jax.lax (0.10); plain all_gather is the same collective, typed "varying"
     from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
@@ -36,12 +40,21 @@ def axis_size(axis_name: Hashable) -> int:
         ) from e
 
 
-class AxisCommunicator:
-    """Collectives over the devices of a named mapped axis (one rank per device)."""
+_GROUPED = {ReduceOp.SUM: lax.psum, ReduceOp.AVG: lax.psum, ReduceOp.MIN: lax.pmin, ReduceOp.MAX: lax.pmax}
 
-    def __init__(self, axis_name: Hashable = "batch"):
+
+class AxisCommunicator:
+    """Collectives over the devices of a named mapped axis (one rank per device).
+
+    ``local_size``: devices per node for :meth:`hierarchical_allreduce`, nodes
+    being consecutive blocks of axis indices (default: the devices of one
+    process, ``jax.local_device_count()``, as JAX runs one process per host).
+    """
+
+    def __init__(self, axis_name: Hashable = "batch", local_size: Optional[int] = None):
         self.axis_name = axis_name
         self._size = axis_size(axis_name)
+        self.local_size = int(local_size or min(jax.local_device_count(), self._size))
 
     def __repr__(self) -> str:
         return f"AxisCommunicator({self.axis_name!r}, size={self._size})"
@@ -64,6 +77,37 @@ class AxisCommunicator:
         if op is ReduceOp.MAX:
             return lax.pmax(x, self.axis_name)
         raise BaguaXError(f"unknown reduce op {op!r}; use a bagua_x.core.ReduceOp")
+
+    def hierarchical_allreduce(self, x, op: ReduceOp = ReduceOp.SUM):
+        """The allreduce in two levels: within each node, then across nodes.
+
+        Under SPMD every device runs the same program, so the node-level reduce
+        leaves the node's result on all its devices (XLA has no reduce-to-root),
+        and the cross-node step runs among the devices holding the same position
+        in their nodes -- the same numbers as Bagua's leader scheme (reduce to a
+        leader, leaders allreduce, broadcast), with the cross-node traffic spread
+        over every device's link instead of the leaders'.  Grouped collectives
+        exist under ``pmap`` only; under ``shard_map`` this is one flat allreduce
+        (the same result; XLA chooses the lowering).
+        """
+        if op not in _GROUPED:
+            raise BaguaXError(f"unknown reduce op {op!r}; use a bagua_x.core.ReduceOp")
+        local, nodes = self.local_size, self._size // self.local_size
+        if local < 1 or self._size % local:
+            raise BaguaXError(
+                f"hierarchical allreduce: axis {self.axis_name!r} of size {self._size} is not a multiple of "
+                f"local_size={local} devices per node; use the same number of devices on every node"
+            )
+        within = [[n * local + i for i in range(local)] for n in range(nodes)]
+        across = [[n * local + i for n in range(nodes)] for i in range(local)]
+        collective = _GROUPED[op]
+        try:
+            out = collective(collective(x, self.axis_name, axis_index_groups=within), self.axis_name,
+                             axis_index_groups=across)
+        except NotImplementedError:  # shard_map: no axis_index_groups
+            log.info("bagua_x: hierarchical allreduce on axis %r runs flat under shard_map", self.axis_name)
+            return self.allreduce(x, op)
+        return out / self._size if op is ReduceOp.AVG else out
 
     def allgather(self, x):
         # The result is the same on every device; saying so (invariant) lets a shard_map

@@ -180,9 +180,12 @@ def _ops(x, u):
     from bagua_x.jax import AxisCommunicator
 
     c = AxisCommunicator("batch")
+    h = AxisCommunicator("batch", local_size=2)  # 2 "nodes" of 2 devices (across processes: the default too)
     n = c.size
     ring = [(i, (i + 1) % n) for i in range(n)]
     return {
+        "hier_sum": h.hierarchical_allreduce(x, ReduceOp.SUM), "hier_avg": h.hierarchical_allreduce(x, ReduceOp.AVG),
+        "hier_max": h.hierarchical_allreduce(x, ReduceOp.MAX),
         "rank": c.rank,
         "sum": c.allreduce(x, ReduceOp.SUM), "avg": c.allreduce(x, ReduceOp.AVG),
         "min": c.allreduce(x, ReduceOp.MIN), "max": c.allreduce(x, ReduceOp.MAX),
@@ -207,6 +210,7 @@ def expected_ops(n: int) -> dict:
     return {
         "rank": np.arange(n),
         "sum": every(xs.sum(0)), "avg": every(xs.mean(0)), "min": every(xs.min(0)), "max": every(xs.max(0)),
+        "hier_sum": every(xs.sum(0)), "hier_avg": every(xs.mean(0)), "hier_max": every(xs.max(0)),
         "allgather": every(xs), "alltoall": xs.transpose(1, 0, 2),
         "rs_sum": xs.sum(0), "rs_avg": xs.mean(0), "rs_max": xs.max(0),
         "bcast": every(xs[1]), "ring": xs[ring_src],
@@ -297,9 +301,11 @@ def parity_worker(steps: int):
     }
     mesh = jax.make_mesh((4,), ("batch",))
     out["shard_map"] = bagua_shard_map(dp, params, x, y, mesh)
-    from bagua_x.algorithms import ByteGrad
+    from bagua_x.algorithms import ByteGrad, GradientAllReduce
 
     out["bytegrad"] = bagua_pmap(bxj.wrap(params, algorithm=ByteGrad()), params, x[:, local], y[:, local])
+    hierarchical = bxj.wrap(params, algorithm=GradientAllReduce(hierarchical=True))  # nodes: the 2 processes
+    out["hierarchical"] = bagua_pmap(hierarchical, params, x[:, local], y[:, local])
     return out
 
 

@@ -44,7 +44,8 @@ def test_pmap_and_chain_match_pmean(setup, pack, cap_mb):
     assert_trees_close(w.bagua_pmap(dp, params, x, y, chain=True), ref)
 
 
-@pytest.mark.parametrize("algorithm", [GradientAllReduce(), ByteGrad()], ids=["allreduce", "bytegrad"])
+@pytest.mark.parametrize("algorithm", [GradientAllReduce(), GradientAllReduce(hierarchical=True), ByteGrad()],
+                         ids=["allreduce", "hierarchical", "bytegrad"])  # shard_map: hierarchical runs flat
 def test_shard_map_matches_pmean(setup, algorithm):
     params, x, y, ref = setup
     dp = wrap(params, algorithm=algorithm)
@@ -124,11 +125,11 @@ def test_two_processes_match_pmean_and_start_equal():
     res = run_workers("bx_jax_workers:parity_worker", nproc=2, args=(STEPS,), timeout=240, env=MULTI_ENV)
     for r in res:
         assert r["packed"], "across processes GradientAllReduce must pack buckets"
-        for mode in ("pmap", "chain", "shard_map"):
+        for mode in ("pmap", "chain", "shard_map", "hierarchical"):
             assert_trees_close(r[mode], r["ref"])
         assert_trees_close(r["bytegrad"], r["ref"], atol=0.05)
     # the processes started from different random params: replicate() made them equal, and they stay so
-    for mode in ("ref", "pmap", "chain", "shard_map", "bytegrad"):
+    for mode in ("ref", "pmap", "chain", "shard_map", "bytegrad", "hierarchical"):
         assert_trees_close(res[0][mode], res[1][mode], atol=0)
 
 
