@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import resource
 import statistics
 import sys
@@ -150,14 +151,23 @@ def launch(fn, args, *extra):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+    results = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [ctx.Process(target=fn, args=(r, args.nproc, port, args, results, *extra)) for r in range(args.nproc)]
     for p in procs:
         p.start()
-    out = dict(results.get() for _ in procs)
+    out = {}
+    while len(out) < len(procs):
+        try:
+            rank, value = results.get(timeout=5)
+            out[rank] = value
+        except queue.Empty:  # a rank that died never reports: stop the others instead of waiting forever
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                sys.exit(f"a rank of {fn.__name__} failed (exit codes {[p.exitcode for p in procs]}); see above")
     for p in procs:
         p.join()
         if p.exitcode:

@@ -10,38 +10,23 @@ the range is computed from quarters (``max/4 - min/4`` cannot overflow for
 any finite float32, +-3.4e38 included), and ``eps`` is taken relative to the largest
 magnitude when that exceeds 1 (a constant row of 1e30 would otherwise scale
 to infinity).  For inputs of magnitude <= 1 this is exactly Bagua's formula.
+
+A compressed row travels as one uint8 array: the row's bytes, then an
+8-byte header holding its min and max (float32), so one collective carries
+both (as in Bagua).  The arithmetic lives in four kernels on the unpacked
+form (``quantize``, ``dequantize``, ``dequantize_into``, ``sum_requantize``);
+packing is cheap glue around them.
 """
 
 from __future__ import annotations
 
 from .base import namespace
 
-__all__ = ["EPS", "HEADER_BYTES", "compress_rows", "decompress_rows", "unpack_rows", "reduce_requantize", "quantize_roundtrip",
-           "register_fused"]
+__all__ = ["EPS", "HEADER_BYTES", "KERNELS", "compress_rows", "decompress_rows", "reduce_requantize", "pack_rows",
+           "unpack_rows", "quantize_roundtrip", "register_fused"]
 
 EPS = 1e-7
 HEADER_BYTES = 8  # each compressed row ends with its min and max (float32)
-
-# Eager array libraries run the formula below as a dozen separate passes over
-# memory; a frontend may register a fused (compiled) version of the same code
-# for its namespace.  JAX needs none: the step is traced and XLA fuses it.
-_FUSED: dict[str, tuple] = {}
-
-
-def register_fused(namespace_name: str, kernels: dict, min_numel: int = 0) -> None:
-    """Use ``kernels[name]`` (same results as this module's ``name``) for arrays of namespace
-    ``namespace_name`` with at least ``min_numel`` elements (below that, compiling does not pay off).
-
-    Names: ``"compress_rows"``, ``"decompress_rows"``, ``"decompress_rows_into"``, ``"reduce_requantize"``.
-    """
-    _FUSED[namespace_name] = (kernels, min_numel)
-
-
-def _fused(name: str, x):
-    entry = _FUSED.get(namespace(x).__name__)
-    if entry is not None and x.shape[0] * x.shape[1] >= entry[1]:
-        return entry[0].get(name)
-    return None
 
 
 def _scale_bounds(xp, mn, mx):
@@ -51,30 +36,87 @@ def _scale_bounds(xp, mn, mx):
     return scale, upper - 255.0, upper
 
 
-def compress_rows(x):
-    """Quantise each row of float ``x`` (R, k) -> uint8 (R, k + 8): each row's bytes, then its
-    min and max as float32 bytes (one array, so one collective carries both)."""
-    fused = _fused("compress_rows", x)
-    return fused(x) if fused is not None else compress_rows_eager(x)
+# -- kernels: pure array functions on the unpacked form ---------------------------------------------------
 
 
-def compress_rows_eager(x):
+def quantize(x):
+    """float (R, k) -> (uint8 (R, k), float32 (R, 2) holding each row's min and max)."""
     xp = namespace(x)
     x = xp.astype(x, xp.float32, copy=False)
     mn = xp.min(x, axis=1, keepdims=True)
     mx = xp.max(x, axis=1, keepdims=True)
     scale, lower, upper = _scale_bounds(xp, mn, mx)
     q = xp.clip(xp.round(x * scale), lower, upper) - lower
+    return xp.astype(q, xp.uint8), xp.concat([mn, mx], axis=1)
+
+
+def dequantize(q, minmax):
+    """Inverse of :func:`quantize`: float32 (R, k)."""
+    xp = namespace(q)
+    mn, mx = minmax[:, 0:1], minmax[:, 1:2]
+    scale, lower, _ = _scale_bounds(xp, mn, mx)
+    return (xp.astype(q, xp.float32) + lower) / scale
+
+
+def dequantize_into(q, minmax, out):
+    """:func:`dequantize` written over ``out`` (any float dtype), which is returned."""
+    out[...] = dequantize(q, minmax)
+    return out
+
+
+def sum_requantize(q, minmax, average: bool):
+    """Sum the dequantised rows, divide by their count when averaging, quantise the result as one row."""
+    xp = namespace(q)
+    total = xp.sum(dequantize(q, minmax), axis=0, keepdims=True)
+    if average:
+        total = total / q.shape[0]
+    return quantize(total)
+
+
+KERNELS = {f.__name__: f for f in (quantize, dequantize, dequantize_into, sum_requantize)}
+
+# Eager array libraries run each kernel as a dozen separate passes over memory;
+# a frontend may register fused (compiled) versions of the same functions for
+# its namespace.  JAX needs none: the step is traced and XLA fuses it.
+_FUSED: dict[str, tuple] = {}
+
+
+def register_fused(namespace_name: str, kernels: dict, min_numel: int = 0) -> None:
+    """Use ``kernels[name]`` (same results as ``KERNELS[name]``) for arrays of namespace
+    ``namespace_name`` with at least ``min_numel`` elements (below that, compiling does not pay off)."""
+    _FUSED[namespace_name] = (kernels, min_numel)
+
+
+def _kernel(name: str, x):
+    entry = _FUSED.get(namespace(x).__name__)
+    if entry is not None and x.shape[0] * x.shape[1] >= entry[1] and name in entry[0]:
+        return entry[0][name]
+    return KERNELS[name]
+
+
+# -- the packed form ---------------------------------------------------------------------------------------
+
+
+def pack_rows(q, minmax):
+    """uint8 (R, k) and float32 (R, 2) -> uint8 (R, k + 8)."""
+    xp = namespace(q)
     # .view(dtype) reinterprets bytes (numpy, torch and jax arrays all have it; the Array API does not)
-    return xp.concat([xp.astype(q, xp.uint8), xp.concat([mn, mx], axis=1).view(xp.uint8)], axis=1)
+    header = xp.asarray(minmax, dtype=xp.float32, copy=True).view(xp.uint8)
+    return xp.concat([q, header], axis=1)
 
 
 def unpack_rows(packed):
-    """Split :func:`compress_rows`'s output into the uint8 payload (R, k) and float32 (R, 2) min/max."""
+    """uint8 (R, k + 8) -> the payload (R, k) (a view) and float32 (R, 2) min/max."""
     xp = namespace(packed)
     # a fresh 1-D copy: reinterpreting bytes as float32 needs them contiguous and 4-byte aligned
     header = xp.asarray(xp.reshape(packed[:, -HEADER_BYTES:], (-1,)), copy=True)
     return packed[:, :-HEADER_BYTES], xp.reshape(header.view(xp.float32), (-1, 2))
+
+
+def compress_rows(x):
+    """Quantise each row of float ``x`` (R, k) -> uint8 (R, k + 8): each row's bytes, then its
+    min and max as float32 bytes."""
+    return pack_rows(*_kernel("quantize", x)(x))
 
 
 def decompress_rows(packed, out=None):
@@ -84,39 +126,17 @@ def decompress_rows(packed, out=None):
     (cast to its dtype) and is returned: one pass over memory and no new
     buffer, which on a CPU costs more than the arithmetic (fresh pages fault in).
     """
-    if out is None:
-        fused = _fused("decompress_rows", packed)
-        return fused(packed) if fused is not None else decompress_rows_eager(packed)
-    fused = _fused("decompress_rows_into", packed)
-    return fused(packed, out) if fused is not None else decompress_rows_into_eager(packed, out)
-
-
-def decompress_rows_eager(packed):
-    xp = namespace(packed)
     q, minmax = unpack_rows(packed)
-    mn, mx = minmax[:, 0:1], minmax[:, 1:2]
-    scale, lower, _ = _scale_bounds(xp, mn, mx)
-    return (xp.astype(q, xp.float32) + lower) / scale
-
-
-def decompress_rows_into_eager(packed, out):
-    out[...] = decompress_rows_eager(packed)
-    return out
+    if out is None:
+        return _kernel("dequantize", q)(q, minmax)
+    return _kernel("dequantize_into", q)(q, minmax, out)
 
 
 def reduce_requantize(packed, average: bool):
-    """Sum the dequantised rows (a rank's received chunks), divide by their count when
-    averaging, and quantise the result as one row: ByteGrad's owner step."""
-    fused = _fused("reduce_requantize", packed)
-    return fused(packed, average) if fused is not None else reduce_requantize_eager(packed, average)
-
-
-def reduce_requantize_eager(packed, average: bool):
-    xp = namespace(packed)
-    total = xp.sum(decompress_rows_eager(packed), axis=0, keepdims=True)
-    if average:
-        total = total / packed.shape[0]
-    return compress_rows_eager(total)
+    """ByteGrad's owner step on the chunks a rank received (R, k + 8): sum the dequantised
+    rows, divide by their count when averaging, compress the result as one row (1, k + 8)."""
+    q, minmax = unpack_rows(packed)
+    return pack_rows(*_kernel("sum_requantize", q)(q, minmax, average))
 
 
 def quantize_roundtrip(x):

@@ -70,7 +70,7 @@ def measure(args) -> list[dict]:
             continue
         few = args.quick or link is not None
         cmd = [sys.executable, str(bench / "torch_vs_ddp.py"), "--algorithm", what,
-               "--rounds", "3" if few else "5", "--steps", "5" if few else "10"]
+               "--rounds", "3" if few else "5", "--steps", "5" if few else "10", "--warmup", "5" if few else "10"]
         if link is not None or what != "allreduce":
             cmd.append("--skip-memory")
         r = _run(cmd, link, bench)

@@ -40,9 +40,6 @@ def axis_size(axis_name: Hashable) -> int:
         ) from e
 
 
-_GROUPED = {ReduceOp.SUM: lax.psum, ReduceOp.AVG: lax.psum, ReduceOp.MIN: lax.pmin, ReduceOp.MAX: lax.pmax}
-
-
 class AxisCommunicator:
     """Collectives over the devices of a named mapped axis (one rank per device).
 
@@ -81,17 +78,15 @@ class AxisCommunicator:
     def hierarchical_allreduce(self, x, op: ReduceOp = ReduceOp.SUM):
         """The allreduce in two levels: within each node, then across nodes.
 
-        Under SPMD every device runs the same program, so the node-level reduce
-        leaves the node's result on all its devices (XLA has no reduce-to-root),
-        and the cross-node step runs among the devices holding the same position
-        in their nodes -- the same numbers as Bagua's leader scheme (reduce to a
-        leader, leaders allreduce, broadcast), with the cross-node traffic spread
-        over every device's link instead of the leaders'.  Grouped collectives
-        exist under ``pmap`` only; under ``shard_map`` this is one flat allreduce
-        (the same result; XLA chooses the lowering).
+        Under SPMD every device runs the same program, so instead of Bagua's
+        leader (reduce to it, leaders allreduce, broadcast) each device of a node
+        takes a share: reduce-scatter within the node, allreduce of its 1/L shard
+        among the devices at the same place in the other nodes, allgather within
+        the node.  The cross-node bytes are the leader scheme's, spread over every
+        device's link.  MIN/MAX (XLA has no min/max reduce-scatter) reduce the
+        whole buffer at each level.  Grouped collectives exist under ``pmap``
+        only; under ``shard_map`` this is one flat allreduce (the same result).
         """
-        if op not in _GROUPED:
-            raise BaguaXError(f"unknown reduce op {op!r}; use a bagua_x.core.ReduceOp")
         local, nodes = self.local_size, self._size // self.local_size
         if local < 1 or self._size % local:
             raise BaguaXError(
@@ -100,14 +95,23 @@ class AxisCommunicator:
             )
         within = [[n * local + i for i in range(local)] for n in range(nodes)]
         across = [[n * local + i for n in range(nodes)] for i in range(local)]
-        collective = _GROUPED[op]
         try:
-            out = collective(collective(x, self.axis_name, axis_index_groups=within), self.axis_name,
-                             axis_index_groups=across)
+            if op in (ReduceOp.SUM, ReduceOp.AVG):
+                flat = jnp.reshape(x, (-1,))
+                padded = jnp.pad(flat, (0, -flat.shape[0] % local))
+                shard = lax.psum_scatter(padded, self.axis_name, axis_index_groups=within, tiled=True)
+                shard = lax.psum(shard, self.axis_name, axis_index_groups=across)
+                full = lax.all_gather(shard, self.axis_name, axis_index_groups=within, tiled=True)
+                out = jnp.reshape(full[:flat.shape[0]], x.shape)
+                return out / self._size if op is ReduceOp.AVG else out
+            if op in (ReduceOp.MIN, ReduceOp.MAX):
+                reduce = lax.pmin if op is ReduceOp.MIN else lax.pmax
+                node = reduce(x, self.axis_name, axis_index_groups=within)
+                return reduce(node, self.axis_name, axis_index_groups=across)
         except NotImplementedError:  # shard_map: no axis_index_groups
             log.info("bagua_x: hierarchical allreduce on axis %r runs flat under shard_map", self.axis_name)
             return self.allreduce(x, op)
-        return out / self._size if op is ReduceOp.AVG else out
+        raise BaguaXError(f"unknown reduce op {op!r}; use a bagua_x.core.ReduceOp")
 
     def allgather(self, x):
         # The result is the same on every device; saying so (invariant) lets a shard_map

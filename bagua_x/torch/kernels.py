@@ -35,8 +35,7 @@ def _compiled(fn):
 def install() -> None:
     """Register the compiled kernels for torch arrays (idempotent)."""
     try:
-        kernels = {name: _compiled(getattr(compression, f"{name}_eager"))
-                   for name in ("compress_rows", "decompress_rows", "decompress_rows_into", "reduce_requantize")}
+        kernels = {name: _compiled(fn) for name, fn in compression.KERNELS.items()}
     except RuntimeError as e:  # torch.compile unavailable on this platform: eager is still correct
         log.info("bagua_x: torch.compile unavailable (%s); compression stays eager", e)
         return

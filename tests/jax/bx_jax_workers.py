@@ -186,6 +186,7 @@ def _ops(x, u):
     return {
         "hier_sum": h.hierarchical_allreduce(x, ReduceOp.SUM), "hier_avg": h.hierarchical_allreduce(x, ReduceOp.AVG),
         "hier_max": h.hierarchical_allreduce(x, ReduceOp.MAX),
+        "hier_odd": h.hierarchical_allreduce(x[0], ReduceOp.SUM),  # 3 elements: padded to share among 2 devices
         "rank": c.rank,
         "sum": c.allreduce(x, ReduceOp.SUM), "avg": c.allreduce(x, ReduceOp.AVG),
         "min": c.allreduce(x, ReduceOp.MIN), "max": c.allreduce(x, ReduceOp.MAX),
@@ -211,6 +212,7 @@ def expected_ops(n: int) -> dict:
         "rank": np.arange(n),
         "sum": every(xs.sum(0)), "avg": every(xs.mean(0)), "min": every(xs.min(0)), "max": every(xs.max(0)),
         "hier_sum": every(xs.sum(0)), "hier_avg": every(xs.mean(0)), "hier_max": every(xs.max(0)),
+        "hier_odd": every(xs[:, 0].sum(0)),
         "allgather": every(xs), "alltoall": xs.transpose(1, 0, 2),
         "rs_sum": xs.sum(0), "rs_avg": xs.mean(0), "rs_max": xs.max(0),
         "bcast": every(xs[1]), "ring": xs[ring_src],
