@@ -14,16 +14,17 @@ to infinity).  For inputs of magnitude <= 1 this is exactly Bagua's formula.
 A compressed row travels as one uint8 array: the row's bytes, then an
 8-byte header holding its min and max (float32), so one collective carries
 both (as in Bagua).  The arithmetic lives in four kernels on the unpacked
-form (``quantize``, ``dequantize``, ``dequantize_into``, ``sum_requantize``);
-packing is cheap glue around them.
+form (``quantize``, ``dequantize``, ``dequantize_into``, ``sum_requantize``;
+see :mod:`.kernels`); packing is cheap glue around them, outside compiled code.
 """
 
 from __future__ import annotations
 
 from .base import namespace
+from .kernels import kernel
 
-__all__ = ["EPS", "HEADER_BYTES", "KERNELS", "compress_rows", "decompress_rows", "reduce_requantize", "pack_rows",
-           "unpack_rows", "quantize_roundtrip", "register_fused"]
+__all__ = ["EPS", "HEADER_BYTES", "compress_rows", "decompress_rows", "reduce_requantize", "pack_rows", "unpack_rows",
+           "quantize_roundtrip", "quantize", "dequantize", "dequantize_into", "sum_requantize"]
 
 EPS = 1e-7
 HEADER_BYTES = 8  # each compressed row ends with its min and max (float32)
@@ -39,6 +40,7 @@ def _scale_bounds(xp, mn, mx):
 # -- kernels: pure array functions on the unpacked form ---------------------------------------------------
 
 
+@kernel
 def quantize(x):
     """float (R, k) -> (uint8 (R, k), float32 (R, 2) holding each row's min and max)."""
     xp = namespace(x)
@@ -50,6 +52,7 @@ def quantize(x):
     return xp.astype(q, xp.uint8), xp.concat([mn, mx], axis=1)
 
 
+@kernel
 def dequantize(q, minmax):
     """Inverse of :func:`quantize`: float32 (R, k)."""
     xp = namespace(q)
@@ -58,40 +61,21 @@ def dequantize(q, minmax):
     return (xp.astype(q, xp.float32) + lower) / scale
 
 
+@kernel
 def dequantize_into(q, minmax, out):
     """:func:`dequantize` written over ``out`` (any float dtype), which is returned."""
-    out[...] = dequantize(q, minmax)
+    out[...] = dequantize.plain(q, minmax)
     return out
 
 
+@kernel
 def sum_requantize(q, minmax, average: bool):
     """Sum the dequantised rows, divide by their count when averaging, quantise the result as one row."""
     xp = namespace(q)
-    total = xp.sum(dequantize(q, minmax), axis=0, keepdims=True)
+    total = xp.sum(dequantize.plain(q, minmax), axis=0, keepdims=True)
     if average:
         total = total / q.shape[0]
-    return quantize(total)
-
-
-KERNELS = {f.__name__: f for f in (quantize, dequantize, dequantize_into, sum_requantize)}
-
-# Eager array libraries run each kernel as a dozen separate passes over memory;
-# a frontend may register fused (compiled) versions of the same functions for
-# its namespace.  JAX needs none: the step is traced and XLA fuses it.
-_FUSED: dict[str, tuple] = {}
-
-
-def register_fused(namespace_name: str, kernels: dict, min_numel: int = 0) -> None:
-    """Use ``kernels[name]`` (same results as ``KERNELS[name]``) for arrays of namespace
-    ``namespace_name`` with at least ``min_numel`` elements (below that, compiling does not pay off)."""
-    _FUSED[namespace_name] = (kernels, min_numel)
-
-
-def _kernel(name: str, x):
-    entry = _FUSED.get(namespace(x).__name__)
-    if entry is not None and x.shape[0] * x.shape[1] >= entry[1] and name in entry[0]:
-        return entry[0][name]
-    return KERNELS[name]
+    return quantize.plain(total)
 
 
 # -- the packed form ---------------------------------------------------------------------------------------
@@ -116,7 +100,7 @@ def unpack_rows(packed):
 def compress_rows(x):
     """Quantise each row of float ``x`` (R, k) -> uint8 (R, k + 8): each row's bytes, then its
     min and max as float32 bytes."""
-    return pack_rows(*_kernel("quantize", x)(x))
+    return pack_rows(*quantize(x))
 
 
 def decompress_rows(packed, out=None):
@@ -127,16 +111,14 @@ def decompress_rows(packed, out=None):
     buffer, which on a CPU costs more than the arithmetic (fresh pages fault in).
     """
     q, minmax = unpack_rows(packed)
-    if out is None:
-        return _kernel("dequantize", q)(q, minmax)
-    return _kernel("dequantize_into", q)(q, minmax, out)
+    return dequantize(q, minmax) if out is None else dequantize_into(q, minmax, out)
 
 
 def reduce_requantize(packed, average: bool):
     """ByteGrad's owner step on the chunks a rank received (R, k + 8): sum the dequantised
     rows, divide by their count when averaging, compress the result as one row (1, k + 8)."""
     q, minmax = unpack_rows(packed)
-    return pack_rows(*_kernel("sum_requantize", q)(q, minmax, average))
+    return pack_rows(*sum_requantize(q, minmax, average))
 
 
 def quantize_roundtrip(x):

@@ -14,9 +14,25 @@ import dataclasses
 
 from ..core.errors import BaguaXError
 from .base import Algorithm, Phase, Target, counter, every, namespace
-from .compression import compress_rows, decompress_rows
+from .compression import dequantize, pack_rows, quantize, unpack_rows
+from .kernels import kernel
 
 __all__ = ["LowPrecisionDecentralized"]
+
+
+@kernel
+def quantized_difference(x, w, left, right):
+    """MinMaxUInt8 of ``x + L/3 + R/3 - 5w/3`` as one row."""
+    xp = namespace(x)
+    return quantize.plain(xp.reshape(x + left / 3 + right / 3 - 5 * w / 3, (1, -1)))
+
+
+@kernel
+def apply_differences(w, left, right, q, mm, q_left, mm_left, q_right, mm_right):
+    """``(w + deQ(q), L + deQ(q_left), R + deQ(q_right))``: new weights and neighbour estimates."""
+    xp = namespace(w)
+    step = lambda q, mm: xp.reshape(dequantize.plain(q, mm), w.shape)  # noqa: E731
+    return w + step(q, mm), left + step(q_left, mm_left), right + step(q_right, mm_right)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +64,10 @@ class LowPrecisionDecentralized(Algorithm):
 
         def communicate(carry):
             x, w, left, right = carry
-            d = x + left / 3 + right / 3 - 5 * w / 3
-            q = compress_rows(xp.reshape(d, (1, -1)))
-            left = left + xp.reshape(decompress_rows(comm.permute(q, from_left)), x.shape)
-            right = right + xp.reshape(decompress_rows(comm.permute(q, from_right)), x.shape)
-            x = w + xp.reshape(decompress_rows(q), x.shape)
+            packed = pack_rows(*quantized_difference(x, w, left, right))
+            x, left, right = apply_differences(w, left, right, *unpack_rows(packed),
+                                               *unpack_rows(comm.permute(packed, from_left)),
+                                               *unpack_rows(comm.permute(packed, from_right)))
             return x, x, left, right
 
         carry = (xp.astype(flat, xp.float32, copy=False), state["w"], state["left"], state["right"])
