@@ -8,10 +8,9 @@ Two settings, each on two gradient trees (400 leaves of 64x64, 100 of 256x256):
 
 Prints the median time of a pmapped step that only reduces the gradients, and
 the ratio bagua_x / per-leaf pmean (below 1 is faster).  In one process the
-automatic strategy emits per-leaf collectives (packing costs copies that XLA's
-in-process allreduce does not need), so "bagua_x" should be ~1.0 and the
-"packed" column shows what packing would cost; across processes it packs each
-bucket into one collective.
+automatic strategy packs the 16 KiB leaves and keeps the 256 KiB ones per leaf
+(there "bagua_x" should be ~1.0 and the "packed" column shows what packing
+would cost); across processes it packs each bucket into one collective.
 
     python benchmarks/jax_vs_pmean.py [--iters 20]
 """
@@ -111,7 +110,7 @@ def main() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     single = _measure(args.iters)
     multi = _two_processes(args.iters)
-    _print("one process x 4 CPU devices (bagua_x: automatic strategy = per-leaf collectives)", single)
+    _print("one process x 4 CPU devices (bagua_x: automatic strategy)", single)
     _print("2 processes x 2 CPU devices, gloo (bagua_x: automatic strategy = one collective per bucket)", multi)
     if args.json:
         with open(args.json, "w") as f:

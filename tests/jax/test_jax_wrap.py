@@ -32,7 +32,7 @@ def setup():
     return params, x, y, w.reference_pmap(params, x, y)
 
 
-@pytest.mark.parametrize("pack", [None, True], ids=["auto", "packed"])
+@pytest.mark.parametrize("pack", [False, True], ids=["per-leaf", "packed"])
 @pytest.mark.parametrize("cap_mb", [25.0, 0.0005], ids=["one-bucket", "small-buckets"])
 def test_pmap_and_chain_match_pmean(setup, pack, cap_mb):
     params, x, y, ref = setup
@@ -62,10 +62,14 @@ def test_shard_map_weight_algorithms_match_pmap(setup, algorithm):
     assert_trees_close(w.bagua_shard_map(dp, params, x, y, mesh), w.bagua_pmap(dp, params, x, y), atol=1e-5)
 
 
-def test_auto_strategy_is_per_leaf_in_one_process_and_packed_when_padding_is_needed():
+def test_auto_strategy_in_one_process_packs_small_leaves_and_whatever_needs_padding():
+    from bagua_x.jax.wrap import SMALL_LEAF_BYTES
+
     params = w.make_params(0)
-    assert not wrap(params).pack_buckets  # one process: XLA's per-leaf allreduce beats the copies
-    assert wrap(params, algorithm=ByteGrad()).pack_buckets
+    assert wrap(params).pack_buckets  # small leaves: one collective each costs more than the copies
+    big = {f"w{i}": jnp.zeros((SMALL_LEAF_BYTES // 4,), jnp.float32) for i in range(3)}
+    assert not wrap(big).pack_buckets  # large leaves: XLA's per-leaf allreduce beats the copies
+    assert wrap(big, algorithm=ByteGrad()).pack_buckets
     with pytest.raises(BaguaXError, match="only with GradientAllReduce"):
         wrap(params, algorithm=ByteGrad(), pack_buckets=False)
 
