@@ -13,8 +13,8 @@ __all__ = ["GradientAllReduce"]
 @dataclasses.dataclass(frozen=True)
 class GradientAllReduce(Algorithm):
     """``hierarchical=True``: reduce within each node, then across nodes, where the
-    communicator offers it: torch (leaders' allreduce, nodes from ``LOCAL_WORLD_SIZE``)
-    and JAX under ``pmap`` (nodes: each process's devices).  Elsewhere (``shard_map``,
+    communicator offers it: torch (leaders' allreduce) and JAX under ``pmap``, nodes
+    being ``LOCAL_WORLD_SIZE`` processes.  Elsewhere (``shard_map``,
     the NCCL communicator) it is one flat allreduce, with the same result."""
 
     average: bool = True

@@ -9,6 +9,7 @@ algorithms in :mod:`bagua_x.algorithms` run on it unchanged, on traced arrays.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import jax
@@ -44,14 +45,16 @@ class AxisCommunicator:
     """Collectives over the devices of a named mapped axis (one rank per device).
 
     ``local_size``: devices per node for :meth:`hierarchical_allreduce`, nodes
-    being consecutive blocks of axis indices (default: the devices of one
-    process, ``jax.local_device_count()``, as JAX runs one process per host).
+    being consecutive blocks of axis indices (default: ``jax.local_device_count()``
+    times ``LOCAL_WORLD_SIZE``, the processes per node as torchrun sets it; 1
+    when unset, JAX's usual one process per host).
     """
 
     def __init__(self, axis_name: Hashable = "batch", local_size: Optional[int] = None):
         self.axis_name = axis_name
         self._size = axis_size(axis_name)
-        self.local_size = int(local_size or min(jax.local_device_count(), self._size))
+        per_node = jax.local_device_count() * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.local_size = int(local_size or min(per_node, self._size))
 
     def __repr__(self) -> str:
         return f"AxisCommunicator({self.axis_name!r}, size={self._size})"

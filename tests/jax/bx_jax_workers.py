@@ -306,7 +306,7 @@ def parity_worker(steps: int):
     from bagua_x.algorithms import ByteGrad, GradientAllReduce
 
     out["bytegrad"] = bagua_pmap(bxj.wrap(params, algorithm=ByteGrad()), params, x[:, local], y[:, local])
-    hierarchical = bxj.wrap(params, algorithm=GradientAllReduce(hierarchical=True))  # nodes: the 2 processes
+    hierarchical = bxj.wrap(params, algorithm=GradientAllReduce(hierarchical=True))  # LOCAL_WORLD_SIZE=1: 2 nodes
     out["hierarchical"] = bagua_pmap(hierarchical, params, x[:, local], y[:, local])
     return out
 

@@ -14,7 +14,8 @@ from bagua_x.jax import wrap
 from launch import run_workers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MULTI_ENV = {"PYTHONPATH": HERE, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+MULTI_ENV = {"PYTHONPATH": HERE, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+             "LOCAL_WORLD_SIZE": "1"}  # each process its own "node", for GradientAllReduce(hierarchical=True)
 STEPS = 5
 
 
