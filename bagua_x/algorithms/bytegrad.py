@@ -46,7 +46,6 @@ class ByteGrad(Algorithm):
     average: bool = True
     donates_input = True  # the result is written over the bucket where arrays are mutable
 
-
     def alignment(self, world_size):
         return world_size
 
