@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
 
 from .algorithms import NAMES
-from .launch import launch
+from .launch import free_port, launch
 
 
 def add_arguments(parser) -> None:
@@ -26,11 +27,14 @@ def run(args) -> list[dict]:
     from . import demo_jax, demo_torch
 
     frontends = ["torch", "jax"] if args.frontend == "both" else [args.frontend]
-    workers = {"torch": demo_torch.train, "jax": demo_jax.train}
     results = []
     for frontend in frontends:
         for name in args.algorithms:
-            results.append(launch(workers[frontend], args.nproc, name, args.steps, args.batch, args.lr, args.seed))
+            # JAX's coordinator gets a port checked free here: MASTER_PORT + 1 (init_distributed's
+            # default) may be taken by some other connection, and JAX then crashes instead of raising
+            worker = demo_torch.train if frontend == "torch" else functools.update_wrapper(
+                functools.partial(demo_jax.train, coordinator_port=free_port()), demo_jax.train)
+            results.append(launch(worker, args.nproc, name, args.steps, args.batch, args.lr, args.seed))
             r = results[-1]
             print(f"  {frontend:5s} {name:14s} loss {r['losses'][-1]:.4f}  accuracy {r['accuracy']:.3f}", flush=True)
     return results

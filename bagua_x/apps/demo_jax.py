@@ -6,7 +6,7 @@ import os
 import time
 
 
-def train(algo_name: str, steps: int, batch: int, lr: float, seed: int) -> dict:
+def train(algo_name: str, steps: int, batch: int, lr: float, seed: int, coordinator_port: int) -> dict:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # one device per process
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
@@ -21,7 +21,7 @@ def train(algo_name: str, steps: int, batch: int, lr: float, seed: int) -> dict:
     from .algorithms import make
     from .data import load_digits_split, rank_batches
 
-    bxj.init_distributed()
+    bxj.init_distributed(coordinator_address=f"127.0.0.1:{coordinator_port}")
     rank, world = jax.process_index(), jax.process_count()
     x_tr, y_tr, x_te, y_te = load_digits_split(seed)
 
