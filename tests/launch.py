@@ -41,9 +41,16 @@ os._exit(0 if result[0] == "ok" else 1)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port whose successor is free too: JAX workers put their coordinator on MASTER_PORT + 1."""
+    while True:
+        with socket.socket() as s, socket.socket() as t:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                t.bind(("127.0.0.1", port + 1))
+            except (OSError, OverflowError):  # taken, or port 65535
+                continue
+            return port
 
 
 class WorkerError(AssertionError):
