@@ -17,7 +17,7 @@ from array_api_compat import is_writeable_array
 from .base import Algorithm, compressed_bytes, namespace
 from .compression import compress_rows, decompress_rows, reduce_requantize
 
-__all__ = ["ByteGrad", "compressed_allreduce", "overwritable"]
+__all__ = ["ByteGrad", "compressed_allreduce"]
 
 
 def compressed_allreduce(flat, comm, average: bool = True, out=None):
@@ -36,11 +36,6 @@ def compressed_allreduce(flat, comm, average: bool = True, out=None):
     return xp.astype(xp.reshape(decompress_rows(gathered), (-1,)), flat.dtype)
 
 
-def overwritable(flat):
-    """``flat`` if its array library allows writing into it (torch, numpy), else None (JAX)."""
-    return flat if is_writeable_array(flat) else None
-
-
 @dataclasses.dataclass(frozen=True)
 class ByteGrad(Algorithm):
     average: bool = True
@@ -53,4 +48,5 @@ class ByteGrad(Algorithm):
         return compressed_bytes(numel, world_size)
 
     def reduce(self, flat, state, comm):
-        return compressed_allreduce(flat, comm, self.average, out=overwritable(flat)), state
+        out = flat if is_writeable_array(flat) else None  # torch, numpy: in place; JAX: a new array
+        return compressed_allreduce(flat, comm, self.average, out=out), state

@@ -64,8 +64,9 @@ class LowPrecisionDecentralized(Algorithm):
 
         def communicate(carry):
             x, w, left, right = carry
-            packed = pack_rows(*quantized_difference(x, w, left, right))
-            x, left, right = apply_differences(w, left, right, *unpack_rows(packed),
+            q, mm = quantized_difference(x, w, left, right)
+            packed = pack_rows(q, mm)
+            x, left, right = apply_differences(w, left, right, q, mm,
                                                *unpack_rows(comm.permute(packed, from_left)),
                                                *unpack_rows(comm.permute(packed, from_right)))
             return x, x, left, right

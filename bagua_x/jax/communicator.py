@@ -86,10 +86,12 @@ class AxisCommunicator:
         takes a share: reduce-scatter within the node, allreduce of its 1/L shard
         among the devices at the same place in the other nodes, allgather within
         the node.  The cross-node bytes are the leader scheme's, spread over every
-        device's link.  MIN/MAX (XLA has no min/max reduce-scatter) reduce the
-        whole buffer at each level.  Grouped collectives exist under ``pmap``
-        only; under ``shard_map`` this is one flat allreduce (the same result).
+        device's link.  Under ``shard_map`` JAX has no grouped ``psum`` (and grouped
+        results would not count as replicated), so there this is one flat allreduce,
+        with the same result; so are MIN/MAX, small checks rather than gradients.
         """
+        if op not in (ReduceOp.SUM, ReduceOp.AVG):
+            return self.allreduce(x, op)
         local, nodes = self.local_size, self._size // self.local_size
         if local < 1 or self._size % local:
             raise BaguaXError(
@@ -98,23 +100,17 @@ class AxisCommunicator:
             )
         within = [[n * local + i for i in range(local)] for n in range(nodes)]
         across = [[n * local + i for n in range(nodes)] for i in range(local)]
+        flat = jnp.reshape(x, (-1,))
+        padded = jnp.pad(flat, (0, -flat.shape[0] % local))
+        shard = lax.psum_scatter(padded, self.axis_name, axis_index_groups=within, tiled=True)
         try:
-            if op in (ReduceOp.SUM, ReduceOp.AVG):
-                flat = jnp.reshape(x, (-1,))
-                padded = jnp.pad(flat, (0, -flat.shape[0] % local))
-                shard = lax.psum_scatter(padded, self.axis_name, axis_index_groups=within, tiled=True)
-                shard = lax.psum(shard, self.axis_name, axis_index_groups=across)
-                full = lax.all_gather(shard, self.axis_name, axis_index_groups=within, tiled=True)
-                out = jnp.reshape(full[:flat.shape[0]], x.shape)
-                return out / self._size if op is ReduceOp.AVG else out
-            if op in (ReduceOp.MIN, ReduceOp.MAX):
-                reduce = lax.pmin if op is ReduceOp.MIN else lax.pmax
-                node = reduce(x, self.axis_name, axis_index_groups=within)
-                return reduce(node, self.axis_name, axis_index_groups=across)
-        except NotImplementedError:  # shard_map: no axis_index_groups
+            shard = lax.psum(shard, self.axis_name, axis_index_groups=across)
+        except NotImplementedError:  # shard_map (the traced reduce-scatter above is dropped as unused)
             log.info("bagua_x: hierarchical allreduce on axis %r runs flat under shard_map", self.axis_name)
             return self.allreduce(x, op)
-        raise BaguaXError(f"unknown reduce op {op!r}; use a bagua_x.core.ReduceOp")
+        full = lax.all_gather(shard, self.axis_name, axis_index_groups=within, tiled=True)
+        out = jnp.reshape(full[:flat.shape[0]], x.shape)
+        return out / self._size if op is ReduceOp.AVG else out
 
     def allgather(self, x):
         # The result is the same on every device; saying so (invariant) lets a shard_map

@@ -71,14 +71,12 @@ def reference_pmap(params, x, y, lr: float = 1e-2):
     return jax.tree.map(lambda a: np.asarray(a[0]), p)
 
 
-def bagua_pmap(dp, params, x, y, lr: float = 1e-2, chain: bool = False, traces: list | None = None,
-               every_device: bool = False):
-    """Train with ``dp`` under pmap, as a user would (the demo's loop).
+def training_step(dp, lr: float, chain: bool = False, traces: list | None = None):
+    """The optimizer and the per-device step of the loops below (``traces`` counts tracings).
 
     Gradient algorithms: reduce_gradients then adam, or (``chain``)
     ``optax.chain(dp.gradient_transformation(), adam)``; weight algorithms:
     sync_params where their phase says; QAdam: ``dp.qadam()`` as the optimizer.
-    Returns the first device's params, or with ``every_device`` all of them.
     """
     import jax
     import optax
@@ -105,6 +103,17 @@ def bagua_pmap(dp, params, x, y, lr: float = 1e-2, chain: bool = False, traces: 
             p, st = dp.sync_params(p, st)
         return p, o, st
 
+    return tx, step
+
+
+def bagua_pmap(dp, params, x, y, lr: float = 1e-2, chain: bool = False, traces: list | None = None,
+               every_device: bool = False):
+    """Train with ``dp`` under pmap, as a user would (the demo's loop; see :func:`training_step`).
+    Returns the first device's params, or with ``every_device`` all of them.
+    """
+    import jax
+
+    tx, step = training_step(dp, lr, chain, traces)
     p = dp.replicate(params)
     o, st = dp.replicate(tx.init(params)), dp.init()
     f = jax.pmap(step, axis_name="batch")
@@ -308,6 +317,8 @@ def parity_worker(steps: int):
     out["bytegrad"] = bagua_pmap(bxj.wrap(params, algorithm=ByteGrad()), params, x[:, local], y[:, local])
     hierarchical = bxj.wrap(params, algorithm=GradientAllReduce(hierarchical=True))  # LOCAL_WORLD_SIZE=1: 2 nodes
     out["hierarchical"] = bagua_pmap(hierarchical, params, x[:, local], y[:, local])
+    out["node_size"] = int(jax.pmap(lambda v: v * 0 + bxj.AxisCommunicator("batch").local_size,
+                                    axis_name="batch")(np.zeros(2, np.int32))[0])
     return out
 
 
@@ -383,24 +394,8 @@ def resumable_pmap(dp, params, x, y, start: int, stop: int, load: str | None = N
     Returns this process's devices' params.
     """
     import jax
-    import optax
 
-    from bagua_x.algorithms import Phase, QAdam
-
-    tx = dp.qadam() if isinstance(dp.algorithm, QAdam) else optax.adam(lr)
-    sync_first = dp.algorithm.phase is Phase.BEFORE_FORWARD
-
-    def step(p, o, st, xb, yb):
-        g = jax.grad(loss_fn)(p, xb, yb)
-        g, st = dp.reduce_gradients(g, st)
-        if sync_first:
-            p, st = dp.sync_params(p, st)
-        u, o = tx.update(g, o, p)
-        p = optax.apply_updates(p, u)
-        if not sync_first:
-            p, st = dp.sync_params(p, st)
-        return p, o, st
-
+    tx, step = training_step(dp, lr)
     carry = (dp.replicate(params), dp.replicate(tx.init(params)), dp.init())
     if load is not None:
         with np.load(load) as saved:

@@ -57,3 +57,24 @@ def test_alltoall_needs_axis_sized_rows():
 
     with pytest.raises(BaguaXError, match="first dimension is the axis size 4"):
         jax.pmap(lambda x: AxisCommunicator("batch").alltoall(x), axis_name="batch")(jnp.ones((4, 3)))
+
+
+def test_hierarchical_allreduce_is_grouped_under_pmap_and_flat_under_shard_map():
+    """The numbers match a flat allreduce either way (test_ops_*); here: which collectives run."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from bagua_x.jax import AxisCommunicator
+
+    def f(v):
+        return AxisCommunicator("batch", local_size=2).hierarchical_allreduce(v)
+
+    pmapped = str(jax.make_jaxpr(jax.pmap(f, axis_name="batch"))(jnp.ones((4, 6))))
+    for collective, groups in (("reduce_scatter", "((0, 1), (2, 3))"), ("psum", "((0, 2), (1, 3))"),
+                               ("all_gather", "((0, 1), (2, 3))")):
+        assert f"{collective}[" in pmapped and f"axis_index_groups={groups}" in pmapped, (collective, pmapped)
+    mesh = jax.make_mesh((4,), ("batch",))
+    sharded = jax.device_put(jnp.ones(24), NamedSharding(mesh, P("batch")))
+    lowered = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("batch"), out_specs=P())).lower(sharded).as_text()
+    assert "all_reduce" in lowered and "reduce_scatter" not in lowered and "all_gather" not in lowered

@@ -132,6 +132,7 @@ def test_two_processes_match_pmean_and_start_equal():
         assert r["packed"], "across processes GradientAllReduce must pack buckets"
         for mode in ("pmap", "chain", "shard_map", "hierarchical"):
             assert_trees_close(r[mode], r["ref"])
+        assert r["node_size"] == 2  # hierarchical really had 2 nodes of 2 devices, not one node
         assert_trees_close(r["bytegrad"], r["ref"], atol=0.05)
     # the processes started from different random params: replicate() made them equal, and they stay so
     for mode in ("ref", "pmap", "chain", "shard_map", "bytegrad", "hierarchical"):
