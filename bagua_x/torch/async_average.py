@@ -94,10 +94,13 @@ class AsyncAverageEngine:
         if error is not None:
             raise error
 
+    def settle(self) -> None:
+        """Before a forward: the warm-up's gradient communication ends (averaging has a group of its own)."""
+        if self._warmup is not None:
+            self._warmup.settle()
+
     def before_forward(self) -> None:
         self._raise_thread_error()
-        if self._warmup is not None:
-            self._warmup.before_forward()
         if torch.is_grad_enabled() and not self._holding:
             with self._waiting:  # Lock is not fair: without this a tight training loop could starve averaging
                 self._waiting.wait_for(lambda: self._waiters == 0)

@@ -16,12 +16,13 @@ import torch.distributed as dist
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from ..core.validation import check_same_everywhere, describe
+from ..core.wire import decode_description, encode
 from .watchdog import resolve_timeout, restart_count, store_allgather
 
 if TYPE_CHECKING:
     from .communicator import TorchCommunicator
 
-__all__ = ["ensure_initialized", "check_same_model", "check_same_buckets", "broadcast_tensors"]
+__all__ = ["ensure_initialized", "check_same_model", "check_same_buckets", "broadcast_tensors", "allgather_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +65,30 @@ def check_same_model(module: torch.nn.Module, settings: dict, group: Optional[di
     tensors = [(n, p.shape, f"{p.dtype}{'' if p.requires_grad else ' frozen'}") for n, p in module.named_parameters()]
     tensors += [(f"{n} (buffer)", b.shape, str(b.dtype)) for n, b in module.named_buffers()]
     # without the leading tensor count, a missing or extra layer is reported by its name
-    mine = describe(tensors, settings)
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    check_same_everywhere(everyone, "bagua_x.torch.wrap: ranks wrap different models or algorithms")
+    context = "bagua_x.torch.wrap: ranks wrap different models or algorithms"
+    gathered = allgather_bytes(encode(describe(tensors, settings)), group)
+    everyone = [decode_description(data, f"{context}: rank {r}'s description") for r, data in enumerate(gathered)]
+    check_same_everywhere(everyone, context)
+
+
+def allgather_bytes(data: bytes, group: Optional[dist.ProcessGroup]) -> list[bytes]:
+    """Every rank's ``data`` (any length), in rank order: two collectives, lengths then padded bytes.
+
+    Unlike ``all_gather_object`` nothing is unpickled: the caller decodes plain data.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    width = max(int(n) for n in lengths)
+    mine = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine, group=group)
+    return [bytes(row[: int(n)].cpu().numpy()) for row, n in zip(rows, lengths)]
 
 
 def check_same_buckets(buckets: Sequence[Bucket], settings: dict, comm: "TorchCommunicator", context: str) -> None:
@@ -81,7 +102,9 @@ def check_same_buckets(buckets: Sequence[Bucket], settings: dict, comm: "TorchCo
     layouts = {b.name: b.layout.describe() for b in buckets}
     mine = describe(tensors, {**settings, **layouts})
     timeout = comm.timeout if comm.timeout is not None else resolve_timeout(None, comm.group)
-    everyone = store_allgather(f"buckets/{next(_bucket_checks)}", mine, comm.group, timeout, context)
+    gathered = store_allgather(f"buckets/{next(_bucket_checks)}", encode(mine), comm.group, timeout, context)
+    ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else range(len(gathered))
+    everyone = [decode_description(data, f"{context}: rank {r}'s description") for r, data in zip(ranks, gathered)]
     check_same_everywhere(everyone, context)
 
 

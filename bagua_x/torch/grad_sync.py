@@ -143,11 +143,15 @@ class GradientEngine:
                             lambda: had_none.copy_(self.comm.allreduce(had_none, ReduceOp.MIN)))
         return had_none
 
-    def before_forward(self) -> None:
-        if self._hooks.queued:  # the previous backward raised before its end-of-backward callback
+    def settle(self) -> None:
+        """Before a forward: end the communication of a backward that raised before its end-of-backward callback."""
+        if self._hooks.queued:
             self._hooks.queued = False
             self._dispatcher.reset()
             self._worker.wait()  # let buckets already launched finish, so collectives stay paired
+
+    def before_forward(self) -> None:
+        """Gradients are communicated during backward: nothing starts at forward."""
 
     def state_dict(self) -> dict:
         return state_dict_of(self.buckets, self.states)

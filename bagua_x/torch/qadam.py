@@ -128,6 +128,15 @@ class MomentumEngine:
     def buckets(self) -> list[Bucket]:
         return self._grad_engine.buckets if self._grad_engine is not None else self._buckets
 
+    def settle(self) -> None:
+        """Before a forward: end the communication of a backward that raised before its end-of-backward callback."""
+        if self._grad_engine is not None:
+            self._grad_engine.settle()
+        elif self._hooks.queued:
+            self._hooks.queued = False
+            self._dispatcher.reset()
+            self._worker.wait()
+
     # -- the switch ---------------------------------------------------------------------------
     def before_forward(self) -> None:
         warmup = self.optimizer.in_warmup
@@ -140,17 +149,12 @@ class MomentumEngine:
         if self._grad_engine is not None:
             self._grad_engine.enabled = self.enabled
             if warmup:
-                self._grad_engine.before_forward()
                 return
             self._grad_engine.close()
             self._grad_engine = None
             log.info("bagua_x QAdam: warmup over after %d steps; communicating 8-bit momentum",
                      self.optimizer.step_id)
             self._build_momentum_buckets()
-        elif self._hooks.queued:
-            self._hooks.queued = False
-            self._dispatcher.reset()
-            self._worker.wait()
 
     def _build_momentum_buckets(self) -> None:
         opt = self.optimizer

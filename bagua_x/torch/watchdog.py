@@ -10,7 +10,9 @@ and names the ranks that are behind on the stuck bucket.
 
 The store also carries small cross-rank checks that must not be collectives
 (:func:`store_allgather`): a rank that never arrives then fails a bounded
-``store.wait`` instead of pairing with an unrelated collective.
+``store.wait`` instead of pairing with an unrelated collective.  What goes
+through the store is bytes that the caller decodes as plain JSON
+(``core.wire``), never pickle: anyone who can reach the store's port can write to it.
 
 Keys carry torchrun's restart count: after an elastic restart the store may
 still hold the previous attempt's keys, which must not be read as this one's.
@@ -22,8 +24,7 @@ import datetime
 import itertools
 import logging
 import os
-import pickle
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -115,16 +116,19 @@ def _times(n: int) -> str:
     return "once" if n == 1 else f"{n} times"
 
 
-def store_allgather(tag: str, value: Any, group: Optional[dist.ProcessGroup], timeout: float, what: str) -> list:
-    """Every rank's ``value`` through the store (not a collective), waiting at most ``timeout`` seconds.
+def store_allgather(tag: str, data: bytes, group: Optional[dist.ProcessGroup], timeout: float,
+                    what: str) -> list[bytes]:
+    """Every rank's ``data`` through the store (not a collective), waiting at most ``timeout`` seconds.
 
-    Each call must use a ``tag`` unique to the check and to its occurrence
-    (e.g. a rebuild counter), the same on every rank; ``what`` starts the error messages.
+    The caller encodes and decodes (``core.wire``: plain JSON, checked on
+    arrival).  Each call must use a ``tag`` unique to the check and to its
+    occurrence (e.g. a rebuild counter), the same on every rank; ``what``
+    starts the error messages.
     """
     store = c10d._get_default_store()
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     keys = [f"bagua_x/check/{restart_count()}/{tag}/{r}" for r in ranks]
-    store.set(keys[ranks.index(dist.get_rank())], pickle.dumps(value))
+    store.set(keys[ranks.index(dist.get_rank())], data)
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except Exception as e:  # noqa: BLE001 -- a store timeout is a RuntimeError or a DistStoreError
@@ -139,4 +143,4 @@ def store_allgather(tag: str, value: Any, group: Optional[dist.ProcessGroup], ti
             f"{what}: ranks {missing} did not arrive within {timeout:g} s ({type(e).__name__}); they died, hang, or "
             "are at a different step (e.g. resumed from a different checkpoint)"
         ) from e
-    return [pickle.loads(store.get(k)) for k in keys]
+    return [store.get(k) for k in keys]

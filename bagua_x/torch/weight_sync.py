@@ -75,10 +75,14 @@ class WeightEngine:
         log.info("bagua_x: %s on %d weight buckets %s", type(algorithm).__name__, len(self.buckets), self.buckets)
 
     # -- before forward -------------------------------------------------------------------
+    def settle(self) -> None:
+        """Before a forward: land an exchange still in flight (a forward without backward since it started)."""
+        self._finish()
+
     def before_forward(self) -> None:
         if self._hooks is None:
             return
-        self._finish()  # a forward without backward: finish the previous exchange first
+        self._finish()
         if not (self.enabled and torch.is_grad_enabled()):
             return
         with torch.no_grad():

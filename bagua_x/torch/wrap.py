@@ -87,6 +87,9 @@ class DistributedModel(torch.nn.Module):
         return self._engine.buckets
 
     def forward(self, *args, **kwargs):
+        # communication still in flight ends first: the buffer broadcast below must not share the
+        # process group with it from another thread (the ranks could pair collectives differently)
+        self._engine.settle()
         if self._buffers_to_sync and self._sync_buffers_next:
             broadcast_tensors(self._buffers_to_sync, self.process_group, timeout=self.timeout)
         self._engine.before_forward()

@@ -166,3 +166,47 @@ def qadam_switch_agrees():
     for _ in range(4):
         _step(wrapped, opt)
     return [b.name for b in wrapped.buckets]
+
+
+class _Planted:
+    """A pickle that, if ever unpickled, creates the file at ``path`` (what an attacker's payload would do)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def crafted_pickle_refused(marker):
+    """Rank 1 plays an attacker with access to the store and the process group; rank 0 runs bagua_x's checks.
+
+    Returns rank 0's two error messages (the model check at wrap, the store check QAdam uses).
+    """
+    import pickle
+
+    import torch.distributed as dist
+
+    import bagua_x.torch as bxt
+    from bagua_x.core.errors import BaguaXError
+    from bagua_x.torch.distributed import allgather_bytes, check_same_buckets
+    from bagua_x.torch.watchdog import restart_count
+
+    rank, _ = _init()
+    payload = pickle.dumps(_Planted(marker))
+    out = {}
+    if rank == 1:
+        allgather_bytes(payload, None)  # where wrap() gathers model descriptions
+        dist.distributed_c10d._get_default_store().set(f"bagua_x/check/{restart_count()}/buckets/0/1", payload)
+        dist.barrier()
+        return out
+    try:
+        bxt.wrap(_model())
+    except BaguaXError as e:
+        out["wrap"] = str(e)
+    try:
+        check_same_buckets([], {}, bxt.TorchCommunicator(timeout=20), "bucket check")
+    except BaguaXError as e:
+        out["store"] = str(e)
+    dist.barrier()
+    return out

@@ -543,3 +543,40 @@ def self_init():
     wrapped = bxt.wrap(torch.nn.Linear(2, 2))
     wrapped(torch.ones(1, 2)).sum().backward()
     return dist.get_backend(), dist.get_world_size()
+
+
+def buffer_broadcast_during_exchange():
+    """Two grad-enabled forwards with no backward between them, Decentralized, a BatchNorm model.
+
+    Rank 1's exchange starts late (a sleep inside the algorithm), so without ordering its second
+    forward would put the buffer broadcast on the process group before that exchange: the two ranks
+    would then issue the two collectives in opposite orders.  Returns the weights and buffers.
+    """
+    import dataclasses
+    import time
+
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x.algorithms import Decentralized
+
+    @dataclasses.dataclass(frozen=True)
+    class SlowOnRankOne(Decentralized):
+        def reduce(self, flat, state, comm):
+            if comm.rank == 1:
+                time.sleep(1.0)
+            return super().reduce(flat, state, comm)
+
+    rank, _ = init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.BatchNorm1d(64))
+    wrapped = bxt.wrap(model, algorithm=SlowOnRankOne(), timeout=20)
+    with torch.no_grad():  # rank-dependent weights and buffers, so the exchange and the broadcast both matter
+        for p in model.parameters():
+            p.add_(float(rank))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))  # the same on both ranks
+    wrapped(x)  # launches the exchange of the weights taken now
+    wrapped(x)  # finishes it; the buffers follow rank 0
+    wrapped.shutdown()
+    return {"params": [p.detach().numpy().copy() for p in model.parameters()],
+            "buffers": [b.detach().numpy().copy() for b in model.buffers()]}

@@ -2,6 +2,8 @@
 
 import os
 
+import numpy as np
+
 from launch import run_workers
 
 ENV = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
@@ -65,3 +67,15 @@ def test_wrap_without_launcher_says_how_to_launch(monkeypatch):
         bxt.wrap(torch.nn.Linear(2, 2))
     with pytest.raises(BaguaXError, match="torch.nn.Module"):
         bxt.wrap(lambda x: x)
+
+
+def test_buffer_broadcast_waits_for_the_exchange_in_flight():
+    """The buffer broadcast of a second forward must not overtake the exchange launched by the first."""
+    out = run_workers("bx_torch_workers:buffer_broadcast_during_exchange", nproc=2, timeout=90, env=ENV)
+    assert len(out) == 2
+    assert len(out[0]["params"]) == len(out[1]["params"]) == 4
+    for a, b in zip(out[0]["params"], out[1]["params"]):
+        np.testing.assert_array_equal(a, b)  # weights averaged: rank 0's + 0 and rank 1's + 1
+    assert len(out[0]["buffers"]) == len(out[1]["buffers"]) == 3
+    for a, b in zip(out[0]["buffers"], out[1]["buffers"]):
+        np.testing.assert_array_equal(a, b)  # buffers broadcast from rank 0 after the second forward's stats

@@ -74,3 +74,15 @@ def test_qadam_rebuild_is_checked_across_ranks():
     assert r0["type"] == "BaguaXError" and "ranks [1] had not marked it ready" in r0["message"], r0
     names = run_workers("bx_fault_workers:qadam_switch_agrees", nproc=2, timeout=90, env=ENV)
     assert names[0] == names[1] and len(names[0]) > 1 and names[0][0].startswith("momentum_bucket_")
+
+
+def test_crafted_pickle_from_the_network_is_refused(tmp_path):
+    """What ranks exchange is JSON: a pickle planted in the store or sent in the model check never runs."""
+    marker = tmp_path / "pwned"
+    r0, r1 = run_workers("bx_fault_workers:crafted_pickle_refused", nproc=2, timeout=90, env=ENV,
+                         args=(str(marker),))
+    assert r1 == {}
+    assert set(r0) == {"wrap", "store"}, r0
+    assert "rank 1's description" in r0["wrap"] and "not bagua_x's JSON" in r0["wrap"], r0["wrap"]
+    assert "rank 1's description" in r0["store"] and "not bagua_x's JSON" in r0["store"], r0["store"]
+    assert not marker.exists()
