@@ -58,9 +58,16 @@ class QAdam(Algorithm):
     target = Target.MOMENTUM
 
     def __post_init__(self):
-        if self.warmup_steps < 0 or not (0 <= self.betas[0] < 1 and 0 <= self.betas[1] < 1) or self.lr < 0:
+        if self.warmup_steps < 1:
+            # v is frozen when warmup ends: with no warmup it stays 0 and every update is ~lr/eps
             raise BaguaXError(
-                f"QAdam: need lr >= 0, warmup_steps >= 0 and betas in [0, 1); got lr={self.lr}, "
+                f"QAdam: warmup_steps={self.warmup_steps}, but QAdam freezes Adam's variance when warmup ends, so "
+                "it needs at least one warmup step (with none the variance stays 0 and the first update moves the "
+                "weights by about lr/eps); use warmup_steps >= 1, typically 50-1000 (Bagua refuses it too)"
+            )
+        if not (0 <= self.betas[0] < 1 and 0 <= self.betas[1] < 1) or self.lr < 0:
+            raise BaguaXError(
+                f"QAdam: need lr >= 0, warmup_steps >= 1 and betas in [0, 1); got lr={self.lr}, "
                 f"warmup_steps={self.warmup_steps}, betas={self.betas}"
             )
 

@@ -38,3 +38,19 @@ def test_converges():
     for r in res:
         assert np.mean(r["losses"][-5:]) < 0.05 * np.mean(r["losses"][:3]), r["losses"]
     np.testing.assert_array_equal(res[0]["weights"], res[1]["weights"])
+
+
+def test_no_warmup_is_refused():
+    """With warmup_steps=0 Adam's variance is frozen at 0: a Linear(8, 1) moved by 6.3e5 in two steps."""
+    import pytest
+    import torch
+
+    from bagua_x.algorithms import QAdam
+    from bagua_x.core.errors import BaguaXError
+    from bagua_x.torch import QAdamOptimizer
+
+    for make in (lambda: QAdamOptimizer(torch.nn.Linear(8, 1).parameters(), lr=1e-3, warmup_steps=0),
+                 lambda: QAdam(warmup_steps=0), lambda: QAdam(warmup_steps=-3)):
+        with pytest.raises(BaguaXError, match="warmup_steps >= 1"):
+            make()
+    assert QAdam(warmup_steps=1).warmup_steps == 1
