@@ -20,9 +20,39 @@ from bagua_x.jax import AxisCommunicator, wrap
 N, NUMEL, STEPS = 4, 64, 6
 
 
-def inputs(step, seed=0):
+def inputs(step, seed=0, numel=NUMEL):
     rng = np.random.default_rng(1000 * seed + step)
-    return [rng.normal(size=NUMEL).astype(np.float32) * (1 + r) for r in range(N)]
+    return [rng.normal(size=numel).astype(np.float32) * (1 + r) for r in range(N)]
+
+
+def assert_close_but_rare_code_flips(got, want, atol, flip_tol, max_flips):
+    """``got`` equals ``want`` to ``atol`` except at most ``max_flips`` elements, which are within ``flip_tol``.
+
+    XLA and numpy round ``x * scale`` differently in the last bit now and then, so an element at a
+    rounding tie gets the neighbouring 8-bit code: seen once in 4096 elements x 6 steps.  An
+    algorithm that skipped the quantisation would be off by a fraction of a step almost everywhere.
+    """
+    assert got.shape == want.shape
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.count_nonzero(err > atol) <= max_flips, (np.count_nonzero(err > atol), np.sort(err)[-5:])
+    assert err.max() <= flip_tol, err.max()
+
+
+class RecordingCommunicator(AxisCommunicator):
+    """The real XLA collectives, noting ``(collective, dtype, size)`` of each input at trace time."""
+
+    def __init__(self, axis_name, sent):
+        super().__init__(axis_name)
+        self.sent = sent
+
+    def __getattribute__(self, attr):
+        value = super().__getattribute__(attr)
+        if attr in ("allreduce", "allgather", "alltoall", "reduce_scatter", "broadcast", "permute"):
+            def recorded(x, *args, **kw):
+                self.sent.append((attr, str(x.dtype), int(x.size)))
+                return value(x, *args, **kw)
+            return recorded
+        return value
 
 
 class Traced:
@@ -30,10 +60,11 @@ class Traced:
 
     def __init__(self, algorithm, first_xs):
         self.traces = 0
+        self.sent = []  # what the collectives were given, recorded when the step was traced
 
         def reduce(x, st):
             self.traces += 1
-            return algorithm.reduce(x, st, AxisCommunicator("batch"))
+            return algorithm.reduce(x, st, RecordingCommunicator("batch", self.sent))
 
         self.algorithm = algorithm
         self.reduce = jax.pmap(reduce, axis_name="batch")
@@ -56,20 +87,28 @@ def test_gradient_allreduce(average):
 
 
 @pytest.mark.parametrize("average", [True, False])
-def test_bytegrad_within_one_quantization_step_and_really_quantized(average):
-    xs = inputs(0)
+def test_bytegrad_matches_the_reference_and_sends_uint8(average):
+    numel = 4096
+    xs = inputs(0, numel=numel)
     run = Traced(ByteGrad(average=average), xs)
     for s in range(STEPS):
-        xs = inputs(s)
+        xs = inputs(s, numel=numel)
         got, want = run(xs), ref.bytegrad(xs, average)
         exact = ref.allreduce(xs, average)[0]
+        assert len(got) == N
         for g in got[1:]:
             np.testing.assert_array_equal(g, got[0])  # all ranks bitwise identical
-        for chunk_got, chunk_want in zip(np.split(got[0], N), np.split(want[0], N)):
-            np.testing.assert_allclose(chunk_got, chunk_want, atol=1.01 * ref.step_size(chunk_want))
-            assert len(np.unique(chunk_got)) <= 256
-        assert np.abs(got[0] - exact).max() > 1e-4, "ByteGrad returned the exact mean: nothing was quantized"
+        # seen: float32 rounding up to 1.9e-6 (mean) / 7.6e-6 (sum), and one element of 4096 x 6 one
+        # code off (a step is 0.03 / 0.14)
+        step = max(ref.step_size(c) for c in np.split(want[0], N))
+        assert_close_but_rare_code_flips(got[0], want[0], atol=1e-5 if average else 2e-5,
+                                         flip_tol=1.01 * step, max_flips=2)
+        for chunk in np.split(got[0], N):  # each chunk dequantised from 8 bits: at most 256 levels of 1024
+            assert 64 < len(np.unique(chunk)) <= 256
+        assert np.abs(got[0] - exact).max() > 0.1 * step, "ByteGrad returned the exact mean: nothing was quantized"
     assert run.traces == 1
+    chunk = numel // N  # one alltoall of N rows (payload + 8-byte min/max header), one allgather of a row
+    assert run.sent == [("alltoall", "uint8", N * (chunk + 8)), ("allgather", "uint8", chunk + 8)]
 
 
 @pytest.mark.parametrize("mode", ["all", "shift_one"])
@@ -93,13 +132,19 @@ def test_low_precision_decentralized(interval):
     for s in range(STEPS):
         got = run(xs)
         want, states = ref.low_precision_decentralized(xs, states, s, interval)
+        assert len(got) == len(want) == N
         for r in range(N):
-            tol = 2.01 * ref.step_size(want[r] - states[r]["left"] / 3) + 1e-5
-            np.testing.assert_allclose(got[r], want[r], atol=tol)
+            # seen: 1.9e-6 everywhere but one element of one rank whose 8-bit code flipped at step 2
+            # (XLA vs numpy rounding at a tie): off by 1.1e-3 afterwards, a tenth of a step (0.011)
+            step = ref.step_size(want[r] - states[r]["left"] / 3)
+            assert_close_but_rare_code_flips(got[r], want[r], atol=5e-6, flip_tol=0.15 * step, max_flips=1)
             for key in ("w", "left", "right"):
-                np.testing.assert_allclose(np.asarray(run.state[key][r]), states[r][key], atol=4 * tol)
+                assert_close_but_rare_code_flips(np.asarray(run.state[key][r]), states[r][key], atol=5e-6,
+                                                 flip_tol=0.15 * step, max_flips=1)
         xs = [x - 0.05 * rng.normal(size=NUMEL).astype(np.float32) for x in got]  # an optimizer step
     assert run.traces == 1
+    # per exchange: the 8-bit difference (payload + min/max header) to each neighbour, nothing in float32
+    assert run.sent and all(dtype == "uint8" and size == NUMEL + 8 for _, dtype, size in run.sent), run.sent
 
 
 @pytest.mark.parametrize("period", [1, 3])
@@ -148,17 +193,21 @@ def test_across_two_processes():
     env = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__)),
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     res = run_workers("bx_jax_workers:algorithms_worker", nproc=2, args=(steps,), timeout=240, env=env)
+    assert len(res) == 2
     for r in res:
         states = ref.low_precision_init(w.algorithm_inputs(0, N))
         for s in range(steps):
             xs = w.algorithm_inputs(s, N)
             got = {name: list(outs[s]) for name, outs in r.items()}
-            for g, want in zip(got["bytegrad"], ref.bytegrad(xs)):
-                np.testing.assert_allclose(g, want, atol=1.01 * ref.step_size(want))
+            assert all(len(g) == N for g in got.values())
+            for g, want in zip(got["bytegrad"], ref.bytegrad(xs)):  # seen: 9.5e-7 (float32 rounding)
+                assert_close_but_rare_code_flips(g, want, atol=5e-6, flip_tol=1.01 * ref.step_size(want),
+                                                 max_flips=1)
             for g, want in zip(got["shift_one"], ref.decentralized(xs, "shift_one", s, 1)):
                 np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
             for g, want in zip(got["model_average"], ref.model_average(xs, s, 2)):
                 np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
             want, states = ref.low_precision_decentralized(xs, states, s, 1)
-            for g, wv in zip(got["lowprec"], want):
-                np.testing.assert_allclose(g, wv, atol=0.05)
+            for g, wv, st in zip(got["lowprec"], want, states):  # seen: 2.4e-6
+                assert_close_but_rare_code_flips(g, wv, atol=5e-6, max_flips=1,
+                                                 flip_tol=0.15 * ref.step_size(wv - st["left"] / 3))

@@ -244,14 +244,29 @@ def algorithm_steps(name, kwargs, steps, numel, chained):
 
     ``chained``: each step's input is the previous output plus a small local change
     (what an optimizer does between weight exchanges); else fresh data each step.
+    ``sent`` lists ``(collective, dtype, numel)`` of every collective's input, in order.
     """
     import torch
 
     from bagua_x import algorithms
     from bagua_x.torch import TorchCommunicator
 
+    sent = []
+
+    class RecordingCommunicator(TorchCommunicator):
+        """The real gloo communicator, noting what each collective is given."""
+
+        def __getattribute__(self, attr):
+            value = super().__getattribute__(attr)
+            if attr in ("allreduce", "allgather", "alltoall", "reduce_scatter", "broadcast", "permute"):
+                def recorded(x, *args, **kw):
+                    sent.append((attr, str(x.dtype).replace("torch.", ""), int(x.numel())))
+                    return value(x, *args, **kw)
+                return recorded
+            return value
+
     rank, size = init()
-    comm = TorchCommunicator()
+    comm = RecordingCommunicator()
     alg = getattr(algorithms, name)(**kwargs)
     x = torch.from_numpy(rank_data(rank, (numel,), seed=0))
     state = alg.init(x, size)
@@ -263,7 +278,7 @@ def algorithm_steps(name, kwargs, steps, numel, chained):
         x, state = alg.reduce(x, state, comm)
         outs.append(x.numpy().copy())
     return {"initial": rank_data(rank, (numel,), seed=0), "ins": ins, "outs": outs,
-            "state": {k: np.asarray(v) for k, v in state.items()}}
+            "state": {k: np.asarray(v) for k, v in state.items()}, "sent": sent}
 
 
 # -- convergence through wrap() ----------------------------------------------------------------

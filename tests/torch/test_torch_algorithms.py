@@ -38,19 +38,26 @@ def test_gradient_allreduce():
 
 
 @pytest.mark.parametrize("average", [True, False])
-def test_bytegrad_within_one_quantization_step(average):
-    res = run("ByteGrad", {"average": average}, steps=3, numel=40)
-    for s in range(3):
+def test_bytegrad_matches_the_reference_and_sends_uint8(average):
+    steps, numel, n = 3, 4000, 2
+    res = run("ByteGrad", {"average": average}, steps=steps, numel=numel)
+    assert len(res) == n
+    chunk = numel // n
+    for s in range(steps):
         xs = [r["ins"][s] for r in res]
         expected = ref.bytegrad(xs, average)[0]
         exact = ref.allreduce(xs, average)[0]
         ours = res[0]["outs"][s]
         for r in res:
             np.testing.assert_array_equal(r["outs"][s], ours)  # all ranks bitwise identical
-        for chunk_ours, chunk_ref in zip(np.split(ours, 2), np.split(expected, 2)):
-            assert np.max(np.abs(chunk_ours - chunk_ref)) <= ref.step_size(chunk_ref) * 1.01
-            assert len(np.unique(chunk_ours)) <= 256  # really 8-bit
-        assert np.max(np.abs(ours - exact)) > 1e-6, "no quantization error at all: not compressed?"
+        # seen: up to 9.5e-7 (mean) and 1.9e-6 (sum), float32 rounding; one quantisation step is 0.018-0.036
+        np.testing.assert_allclose(ours, expected, rtol=0, atol=2.5e-6)
+        for part in np.split(ours, n):  # each chunk dequantised from 8 bits: at most 256 levels of ~2000 values
+            assert 64 < len(np.unique(part)) <= 256
+        assert np.max(np.abs(ours - exact)) > 1e-3, "no quantization error at all: not compressed?"
+    # per step: an alltoall of n uint8 rows (payload + 8-byte min/max header), an allgather of one row
+    for r in res:
+        assert r["sent"] == [("alltoall", "uint8", n * (chunk + 8)), ("allgather", "uint8", chunk + 8)] * steps
 
 
 @pytest.mark.parametrize("mode,interval,nproc",
