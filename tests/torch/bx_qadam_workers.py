@@ -66,6 +66,16 @@ def compressed_steps(steps=6, warmup=2):
     initial = None
     opt = bxt.QAdamOptimizer(model.parameters(), lr=1e-2, warmup_steps=warmup, weight_decay=0.01)
     wrapped = bxt.wrap(model, opt)
+    sent = []  # (step, collective, dtype, numel) of what the real communicator is given
+
+    def recording(name, collective):
+        def run(x, *args, **kwargs):
+            sent.append((len(params), name, str(x.dtype).replace("torch.", ""), int(x.numel())))
+            return collective(x, *args, **kwargs)
+        return run
+
+    for name in ("allreduce", "alltoall", "allgather"):
+        setattr(wrapped.comm, name, recording(name, getattr(wrapped.comm, name)))
     initial = model.weight.detach().clone().reshape(-1).numpy()
     grads, params, momentum_views = [], [], []
     for s in range(steps):
@@ -81,10 +91,8 @@ def compressed_steps(steps=6, warmup=2):
         params.append(model.weight.detach().clone().reshape(-1).numpy())
         m = opt.state[model.weight]["exp_avg"]
         momentum_views.append(any(m.data_ptr() == b.buffer.data_ptr() for b in wrapped.buckets))
-    distinct = len(np.unique(opt.state[model.weight]["exp_avg"].numpy()))
     wrapped.shutdown()
-    return {"initial": initial, "grads": grads, "params": params, "momentum_views": momentum_views,
-            "distinct_momentum_values": distinct}
+    return {"initial": initial, "grads": grads, "params": params, "momentum_views": momentum_views, "sent": sent}
 
 
 def converge(steps=80, warmup=20):
