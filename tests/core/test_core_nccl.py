@@ -3,10 +3,9 @@
 Without a GPU: import hygiene, the dtype/op tables, stream handles, the DLPack
 export of bagua_x-owned memory (consumed by numpy, torch and JAX), the unique-id
 exchange over a real ``torch.distributed.TCPStore`` between two processes and
-over JAX's real distributed client, the missing-nccl4py message, and every
-collective against numpy on a simulated NCCL (an in-process stand-in for
-nccl4py and cuda.core that moves host memory between threads), with torch and
-JAX CPU arrays, on 1 and 2 ranks.
+over JAX's real distributed client, the missing-nccl4py message, and the
+refusal of a bad rank.  No collective runs without a GPU: there is no CPU
+stand-in for NCCL here.
 
 With a GPU (``@pytest.mark.gpu``, skipped without CUDA): every collective
 against numpy on 1 rank with torch CUDA tensors and JAX GPU arrays through the

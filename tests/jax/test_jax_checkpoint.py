@@ -26,6 +26,8 @@ CASES = {
 
 
 def assert_trees_equal(a, b, what):
+    assert jax.tree.structure(a) == jax.tree.structure(b), what
+    assert jax.tree.leaves(a), f"{what}: no leaves to compare"
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y, err_msg=f"{what}: {jax.tree_util.keystr(path)}")
 
@@ -49,6 +51,8 @@ def test_resume_across_two_processes(tmp_path):
     env = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__)),
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     algorithm = QAdam(lr=1e-2, warmup_steps=2)
-    for full, resumed in run_workers("bx_jax_workers:resume_worker", nproc=2, timeout=240, env=env,
-                                     args=(algorithm, 5, 3, str(tmp_path))):
+    results = run_workers("bx_jax_workers:resume_worker", nproc=2, timeout=240, env=env,
+                          args=(algorithm, 5, 3, str(tmp_path)))
+    assert len(results) == 2
+    for full, resumed in results:
         assert_trees_equal(full, resumed, "2 processes")

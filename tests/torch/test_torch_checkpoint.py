@@ -30,7 +30,9 @@ def test_resume_is_bitwise_identical(case, tmp_path):
     args = (name, kwargs, total, k, str(tmp_path))
     full = run_workers("bx_checkpoint_workers:uninterrupted_and_first_part", nproc=2, timeout=120, env=ENV, args=args)
     resumed = run_workers("bx_checkpoint_workers:resume", nproc=2, timeout=120, env=ENV, args=args)
+    assert len(full) == len(resumed) == 2
     for rank, ((uninterrupted, rolled_back), b) in enumerate(zip(full, resumed)):
+        assert len(uninterrupted) == len(b) == len(rolled_back) > 0, (len(uninterrupted), len(b), len(rolled_back))
         for i, (x, y, z) in enumerate(zip(uninterrupted, b, rolled_back)):
             np.testing.assert_array_equal(x, y, err_msg=f"{case}: resumed, rank {rank}, parameter {i}")
             np.testing.assert_array_equal(x, z, err_msg=f"{case}: rolled back in place, rank {rank}, parameter {i}")

@@ -16,5 +16,6 @@ def test_hierarchical_allreduce_and_training_match_flat():
         np.testing.assert_allclose(r["ops"]["sum"], np.sum(inputs, axis=0), rtol=1e-6)
         np.testing.assert_allclose(r["ops"]["avg"], np.mean(inputs, axis=0), rtol=1e-6)
         np.testing.assert_array_equal(r["ops"]["max"], np.max(inputs, axis=0))
+        assert len(r["params"]["ddp"]) == len(r["params"]["bagua_x"]) > 0
         for a, b in zip(r["params"]["ddp"], r["params"]["bagua_x"]):
             np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
