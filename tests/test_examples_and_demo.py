@@ -52,7 +52,7 @@ def test_jax_examples_one_process_four_devices(example):
 def test_demo_end_to_end(tmp_path):
     out = _run([sys.executable, "-m", "bagua_x.cli", "demo", "--steps", "40", "--algorithms", "allreduce", "bytegrad",
                 "--out", str(tmp_path)], timeout=420)
-    assert "frontend" in out and "bytes/step/rank" in out, out
+    assert "frontend" in out and "computed B/step/rank" in out, out
     table = json.loads((tmp_path / "demo.json").read_text())
     runs = {(r["frontend"], r["algorithm"]) for r in table["runs"]}
     assert runs == {("torch", "allreduce"), ("torch", "bytegrad"), ("jax", "allreduce"), ("jax", "bytegrad")}

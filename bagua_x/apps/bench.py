@@ -79,6 +79,9 @@ def measure(args) -> list[dict]:
         if "memory_ratio" in r:
             rows.append({"frontend": "torch", "link": name, "what": f"{what} (peak memory)", "baseline": "DDP",
                          "baseline_ms": None, "bagua_x_ms": None, "ratio": r["memory_ratio"]})
+            rows.append({"frontend": "torch", "link": name, "what": f"{what} (peak memory)",
+                         "baseline": "DDP bucket view", "baseline_ms": None, "bagua_x_ms": None,
+                         "ratio": r["memory_ratio_bucket_view"]})
     return rows
 
 

@@ -41,12 +41,12 @@ def run(args) -> list[dict]:
 
 
 def table(results: list[dict]) -> str:
-    head = f"{'frontend':8s} {'algorithm':14s} {'train loss':>10s} {'accuracy':>9s} {'step ms':>8s} {'bytes/step/rank':>16s}"
+    head = f"{'frontend':8s} {'algorithm':14s} {'train loss':>10s} {'accuracy':>9s} {'step ms':>8s} {'computed B/step/rank':>20s}"
     rows = [head, "-" * len(head)]
     for r in results:
         tail = sum(r["losses"][-20:]) / len(r["losses"][-20:])
         rows.append(f"{r['frontend']:8s} {r['algorithm']:14s} {tail:10.4f} {r['accuracy']:9.3f} "
-                    f"{r['step_ms']:8.2f} {r['bytes_per_step']:16,.0f}")
+                    f"{r['step_ms']:8.2f} {r['bytes_per_step']:20,.0f}")
     return "\n".join(rows)
 
 
