@@ -34,7 +34,7 @@ from .buckets import build_buckets, load_states, register_parameters, state_dict
 from .checks import check_dense_grad, check_finite, non_finite_tensors
 from .communicator import TorchCommunicator
 from .runtime import BackwardHooks, CommWorker
-from .watchdog import StallInspector
+from .stall import StallInspector
 
 __all__ = ["GradientEngine", "run_reduce", "reduce_bucket"]
 

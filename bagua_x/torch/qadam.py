@@ -38,7 +38,7 @@ from .grad_sync import GradientEngine
 from .checks import check_finite, non_finite_tensors
 from .distributed import check_same_buckets
 from .runtime import BackwardHooks, CommWorker
-from .watchdog import StallInspector
+from .stall import StallInspector
 
 __all__ = ["QAdamOptimizer", "MomentumEngine"]
 

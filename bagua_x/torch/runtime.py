@@ -12,7 +12,7 @@ import torch
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from ..core.tensor import RegisteredTensor
-from .watchdog import StallInspector
+from .stall import StallInspector
 
 __all__ = ["CommWorker", "BackwardHooks"]
 

@@ -32,7 +32,7 @@ from .buckets import build_buckets, load_states, register_parameters, state_dict
 from .communicator import TorchCommunicator
 from .grad_sync import reduce_bucket
 from .runtime import BackwardHooks, CommWorker
-from .watchdog import StallInspector
+from .stall import StallInspector
 
 __all__ = ["WeightEngine"]
 

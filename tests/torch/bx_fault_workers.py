@@ -60,9 +60,9 @@ def rank_dies(algorithm="GradientAllReduce", timeout=5.0, steps_before=3):
     return {"type": None, "seconds": time.monotonic() - start}
 
 
-def rank_skips_backward(timeout=4.0, algorithm="GradientAllReduce"):
-    """Rank 1 skips one backward (a weight algorithm: one optimizer step) and then idles: rank 0's last
-    backward (optimizer step) must name the bucket and rank 1."""
+def rank_skips_backward(timeout=4.0, algorithm="GradientAllReduce", skipper=1):
+    """Rank ``skipper`` skips one backward (a weight algorithm: one optimizer step) and then idles: the
+    others' last backward (optimizer step) must name the bucket and that rank."""
     import torch
 
     from bagua_x import algorithms
@@ -75,14 +75,17 @@ def rank_skips_backward(timeout=4.0, algorithm="GradientAllReduce"):
     start = time.monotonic()
     try:
         for step in range(3):
-            if rank == 1 and step == 1 and algorithm == "ModelAverage":
+            if rank == skipper and step == 1 and algorithm == "ModelAverage":
                 _step(wrapped, torch.optim.SGD(model.parameters(), lr=0.01))  # not the hooked optimizer
                 continue
-            _step(wrapped, opt, backward=not (rank == 1 and step == 1))
+            _step(wrapped, opt, backward=not (rank == skipper and step == 1))
     except Exception as e:  # noqa: BLE001
-        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
-    if rank == 1:
-        time.sleep(timeout + 3)  # alive but not communicating: "not ready", not dead
+        seconds = time.monotonic() - start
+        if rank == 0:
+            time.sleep(3)  # rank 0 hosts the store: stay until the other ranks have their reports too
+        return {"type": type(e).__name__, "message": str(e), "seconds": seconds}
+    if rank == skipper:
+        time.sleep(timeout + 6)  # alive but not communicating: "not ready", not dead
     return {"type": None}
 
 
@@ -210,3 +213,27 @@ def crafted_pickle_refused(marker):
         out["store"] = str(e)
     dist.barrier()
     return out
+
+
+def store_keys_during_training(steps=20):
+    """How many keys the store holds before and after ``steps`` training steps of every engine kind."""
+    import torch
+    import torch.distributed as dist
+
+    import bagua_x.torch as bxt
+    from bagua_x.algorithms import Decentralized, GradientAllReduce
+
+    _init()
+    store = dist.distributed_c10d._get_default_store()
+    wrapped = []
+    for algorithm in (GradientAllReduce(), Decentralized()):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        wrapped.append((bxt.wrap(model, opt, algorithm=algorithm, bucket_cap_mb=1e-4), opt))
+    dist.barrier()
+    before = store.num_keys()
+    for _ in range(steps):
+        for w, opt in wrapped:
+            _step(w, opt)
+    dist.barrier()
+    return {"before": before, "after": store.num_keys()}
