@@ -48,6 +48,8 @@ class Algorithm:
     #: frontend may let that collective work in place on the bucket buffer (no copy).
     #: Frontends hand such an algorithm only buffers they overwrite with the result.
     donates_input = False
+    #: The frontends that can run it (AsyncModelAverage needs torch's mutable weights and a thread).
+    frameworks = ("torch", "jax")
 
     def alignment(self, world_size: int) -> int:
         """Bucket buffers are padded to a multiple of this many elements."""

@@ -51,6 +51,7 @@ class AsyncModelAverage(Algorithm):
     sync_interval_ms: int = 500
     warmup_steps: int = 0
 
+    frameworks = ("torch",)
     target = Target.WEIGHT
     phase = Phase.AFTER_STEP
 

@@ -12,6 +12,12 @@ Weight algorithms (Decentralized, LowPrecisionDecentralized, ModelAverage) use
 ``phase`` names; QAdam is an optimizer, ``dp.qadam()``.  Under
 ``jax.shard_map`` pass ``mesh`` to ``replicate``/``init`` (see :mod:`.placement`).
 
+Faults: ``wrap(..., timeout=s, check_finite=True)`` with the step called as
+``train_step = dp.step(jax.pmap(step, axis_name="batch"))``: a step that does
+not finish in time ends the process with a report naming the processes that
+never arrived (see :mod:`.watchdog`), and a NaN or inf after the reduction
+raises a BaguaXError naming the leaves (see :mod:`.checks`).
+
 The algorithms are the framework-free ones of :mod:`bagua_x.algorithms`,
 traced by JAX through :class:`AxisCommunicator` (XLA collectives).
 

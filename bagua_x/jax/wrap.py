@@ -13,8 +13,9 @@ process only small leaves are worth packing.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +25,12 @@ from ..algorithms import Algorithm, GradientAllReduce, QAdam, Target
 from ..core.bucket import BucketLayout, plan_buckets
 from ..core.errors import BaguaXError
 from ..core.validation import describe
+from .checks import FiniteCheck, check_leaf_dtype, check_registrable
 from .communicator import AxisCommunicator, axis_size
-from .distributed import check_same_across_processes
+from .distributed import check_same_across_processes, heartbeat_timeout
 from .placement import replicate as _replicate
 from .placement import unreplicate as _unreplicate
+from .watchdog import StepWatchdog
 
 __all__ = ["DataParallel", "wrap"]
 
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 SMALL_LEAF_BYTES = 128 * 1024  # in one process, trees of leaves this small on average are packed
+HEARTBEAT_MARGIN = 10.0  # seconds between wrap's timeout and JAX's heartbeat abort, for the report to come first
 
 
 class DataParallel:
@@ -48,14 +52,23 @@ class DataParallel:
         bucket_cap_mb: float = 25.0,
         world_size: Optional[int] = None,
         pack_buckets: Optional[bool] = None,
+        timeout: Optional[float] = None,
+        check_finite: bool = False,
     ):
         self.algorithm = algorithm if algorithm is not None else GradientAllReduce()
+        if "jax" not in self.algorithm.frameworks:
+            raise BaguaXError(
+                f"bagua_x.jax.wrap: {type(self.algorithm).__name__} runs only in the {'/'.join(self.algorithm.frameworks)}"
+                " frontend (it needs a background thread on mutable weights); in JAX average synchronously with "
+                "ModelAverage(period=...), every period steps"
+            )
         self.axis_name = axis_name
         self.world_size = int(world_size if world_size is not None else jax.device_count())
         flat, self._treedef = jax.tree_util.tree_flatten_with_path(params)
         self.names = [jax.tree_util.keystr(path) for path, _ in flat]
         self._shapes = [tuple(np.shape(x)) for _, x in flat]
         self._dtypes = [jnp.result_type(x) for _, x in flat]
+        check_registrable(self.names, self._dtypes)
         registered = [i for i, d in enumerate(self._dtypes) if jnp.issubdtype(d, jnp.inexact)]
         skipped = sorted(set(self.names) - {self.names[i] for i in registered})
         if skipped:
@@ -84,11 +97,15 @@ class DataParallel:
             pack_buckets = not (per_leaf_ok and jax.process_count() == 1 and mean_leaf >= SMALL_LEAF_BYTES)
         self.pack_buckets = bool(pack_buckets)
         self._initial = params
+        self._finite = FiniteCheck(self.names) if check_finite else None
+        # check_finite alone needs the step count and the failure report, not the time limit
+        self._watchdog = (StepWatchdog(self._check_timeout(timeout) if timeout is not None else float("inf"))
+                          if timeout is not None or check_finite else None)
         check_same_across_processes(
             describe(
                 zip(self.names, self._shapes, map(str, self._dtypes)),
                 {**self.algorithm.hyperparameters(), "axis_name": repr(axis_name), "bucket_cap_mb": bucket_cap_mb,
-                 "world_size": self.world_size},
+                 "world_size": self.world_size, "timeout": timeout, "check_finite": bool(check_finite)},
             ),
             "bagua_x.jax.wrap: the params trees or settings differ across processes",
         )
@@ -165,12 +182,20 @@ class DataParallel:
         """An ``optax.GradientTransformation`` whose update is :meth:`reduce_gradients`.
 
         Chain it first: ``optax.chain(dp.gradient_transformation(), optax.adam(1e-3))``.
-        With a weight algorithm it is the identity (call :meth:`sync_params` instead).
+        Only for gradient algorithms: a weight algorithm communicates with
+        :meth:`sync_params` and QAdam is its own optimizer (:meth:`qadam`), so
+        for them this raises instead of silently communicating nothing.
         """
         import optax
 
         if self.algorithm.target is not Target.GRAD:
-            return optax.identity()
+            instead = "dp.qadam() as the optimizer" if self.algorithm.target is Target.MOMENTUM else (
+                f"params, state = dp.sync_params(params, state) in the step ({self.algorithm.phase.value})")
+            raise BaguaXError(
+                f"dp.gradient_transformation(): {self.algorithm!r} communicates {self.algorithm.target.value}s, not "
+                f"gradients, so this transformation would communicate nothing; use {instead} and a plain optax "
+                "optimizer"
+            )
 
         def update(updates, state, params=None):
             return self.reduce_gradients(updates, state)
@@ -205,16 +230,76 @@ class DataParallel:
 
         return optax.GradientTransformation(init, update)
 
+    # -- around the step, on the host ----------------------------------------------------------
+    def step(self, fn: Callable) -> Callable:
+        """``fn`` (the pmapped / jitted training step) with this wrap's host-side fault handling.
+
+        ``train_step = dp.step(jax.pmap(step, axis_name="batch"))``.  Each call
+        waits for the step's results (``jax.block_until_ready``): a step that is
+        only dispatched has not been through its collectives yet, and only its
+        results say that it has -- which a ``with`` block around the call could
+        not wait for, hence a decorator.  With ``wrap(timeout=...)`` a watchdog
+        (:mod:`.watchdog`) ends the process with a report when a step takes
+        longer; a step that fails (e.g. a peer's connection closed) raises a
+        BaguaXError naming the step and the processes that never arrived;
+        with ``check_finite=True`` a non-finite reduction raises its BaguaXError
+        (instead of JAX's ``JaxRuntimeError`` around it).  Without either it
+        returns ``fn`` unchanged.
+        """
+        watchdog = self._watchdog
+        if watchdog is None:
+            return fn
+
+        @functools.wraps(fn)
+        def guarded(*args, **kwargs):
+            step = watchdog.enter()
+            try:
+                out = jax.block_until_ready(fn(*args, **kwargs))
+            except BaguaXError:
+                watchdog.leave()
+                raise
+            except Exception as e:
+                finite = self._finite.take() if self._finite is not None else None
+                if finite is not None:  # every process raises it: nothing is broken, the caller may go on
+                    watchdog.leave()
+                    raise BaguaXError(f"step {step}: {finite}") from e
+                message = (f"bagua_x.jax: step {step} failed on process {watchdog.process} ({type(e).__name__}: "
+                           f"{str(e)[:300]}); {watchdog.arrivals(step)}. If a process died, see its log; restart "
+                           "the job from its last checkpoint (torchrun --max-restarts does it)")
+                logger.error("%s", message)
+                watchdog.failed(message)  # still armed: see .watchdog
+                raise BaguaXError(message) from e
+            watchdog.leave()
+            return out
+
+        return guarded
+
     # -- internals ------------------------------------------------------------------------------
-    def _leaves(self, tree: Any, where: str) -> list:
+    def _check_timeout(self, timeout: float) -> float:
+        timeout = float(timeout)
+        if not timeout > 0:
+            raise BaguaXError(f"bagua_x.jax.wrap: timeout must be a positive number of seconds (or None), got {timeout}")
+        if jax.process_count() > 1 and timeout + HEARTBEAT_MARGIN > heartbeat_timeout():
+            raise BaguaXError(
+                f"bagua_x.jax.wrap: timeout={timeout:g} s is not at least {HEARTBEAT_MARGIN:g} s below JAX's heartbeat "
+                f"timeout ({heartbeat_timeout():g} s), after which JAX aborts every process with its own terse "
+                "message before bagua_x can report; pass a smaller timeout, or a larger "
+                "heartbeat_timeout_seconds to bagua_x.jax.init_distributed"
+            )
+        return timeout
+
+    def _leaves(self, tree: Any, where: str, floats: bool = False) -> list:
+        """The leaves of ``tree``, checked against the wrapped params (``floats``: registered ones are floating)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if treedef != self._treedef:
             names = [jax.tree_util.keystr(p) for p, _ in flat]
             missing = [n for n in self.names if n not in names]
             extra = [n for n in names if n not in self.names]
+            detail = (f"missing leaves {missing[:5]}, unexpected leaves {extra[:5]}" if missing or extra else
+                      f"the same leaf paths in other containers: wrap had {self._treedef}, got {treedef}")
             raise BaguaXError(
-                f"{where}: the tree does not match the params given to wrap (missing leaves {missing[:5]}, "
-                f"unexpected leaves {extra[:5]}); pass a tree with the same structure as the wrapped params"
+                f"{where}: the tree does not match the params given to wrap ({detail}); pass a tree with the "
+                "same structure as the wrapped params, or wrap the new structure"
             )
         for name, shape, (_, x) in zip(self.names, self._shapes, flat):
             if tuple(np.shape(x)) != shape:
@@ -223,6 +308,10 @@ class DataParallel:
                     "inside the step pass per-device values (pmap strips the device axis; under shard_map index "
                     "per-device inputs with [0])"
                 )
+        if floats:
+            for bucket in self.buckets:
+                for i in bucket:
+                    check_leaf_dtype(where, self.names[i], jnp.result_type(flat[i][1]), self._dtypes[i])
         return [x for _, x in flat]
 
     def _run(self, fn, trees: list, state: tuple, where: str) -> tuple[Any, tuple]:
@@ -231,7 +320,7 @@ class DataParallel:
         The result replaces the first tree's registered leaves; other leaves pass through.
         """
         comm = AxisCommunicator(self.axis_name)
-        leaves = [self._leaves(t, where) for t in trees]
+        leaves = [self._leaves(t, where, floats=True) for t in trees]
         if not isinstance(state, (tuple, list)) or len(state) != len(self.buckets):
             raise BaguaXError(
                 f"{where}: expected the state of this wrap (a tuple of {len(self.buckets)} bucket states), got "
@@ -254,6 +343,8 @@ class DataParallel:
                 for i, value in zip(bucket, layout.unpack(flat, xp=jnp)):
                     out[i] = value.astype(self._dtypes[i])
             new_state.append(st)
+        if self._finite is not None:
+            self._finite.insert(out, [i for b in self.buckets for i in b], self.axis_name, where)
         return jax.tree_util.tree_unflatten(self._treedef, out), tuple(new_state)
 
 
@@ -265,6 +356,8 @@ def wrap(
     bucket_cap_mb: float = 25.0,
     world_size: Optional[int] = None,
     pack_buckets: Optional[bool] = None,
+    timeout: Optional[float] = None,
+    check_finite: bool = False,
 ) -> DataParallel:
     """Make a params pytree data parallel with ``algorithm`` (default :class:`GradientAllReduce`).
 
@@ -274,5 +367,13 @@ def wrap(
     ``pack_buckets`` (default: automatic) chooses one collective per bucket
     (packed) or per leaf; algorithms that need padding always pack.
     In a multi-process run, every process must call ``wrap`` with the same tree.
+
+    Faults (both off by default; see :meth:`DataParallel.step`): ``timeout``
+    (seconds) ends the process with a report when a step run through
+    ``dp.step`` does not finish in time (a dead or stalled process), so an
+    elastic launcher can restart the job; it must stay 10 s below JAX's
+    heartbeat timeout (:func:`init_distributed`).  ``check_finite`` raises a
+    BaguaXError naming the leaves when a reduced value is NaN or inf, on
+    every process at the same step (:mod:`.checks`).
     """
-    return DataParallel(params, algorithm, axis_name, bucket_cap_mb, world_size, pack_buckets)
+    return DataParallel(params, algorithm, axis_name, bucket_cap_mb, world_size, pack_buckets, timeout, check_finite)

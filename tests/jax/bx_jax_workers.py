@@ -139,7 +139,8 @@ def bagua_shard_map(dp, params, x, y, mesh, lr: float = 1e-2):
     from bagua_x.algorithms import Phase, Target
 
     per_device = dp.algorithm.target is Target.WEIGHT
-    tx = optax.chain(dp.gradient_transformation(), optax.adam(lr))
+    # weight algorithms communicate in sync_params (their gradient_transformation() raises)
+    tx = optax.adam(lr) if per_device else optax.chain(dp.gradient_transformation(), optax.adam(lr))
     sync_first = dp.algorithm.phase is Phase.BEFORE_FORWARD
     own = lambda t: jax.tree.map(lambda a: a[0], t) if per_device else t  # noqa: E731
     back = lambda t: jax.tree.map(lambda a: a[None], t) if per_device else t  # noqa: E731

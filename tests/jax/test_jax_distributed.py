@@ -11,7 +11,7 @@ from bagua_x.jax.distributed import COORDINATOR_PORT_OFFSET
 def calls(monkeypatch):
     seen = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.append(kw))
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "JAX_COORDINATOR_BIND_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
     return seen
 
@@ -25,6 +25,7 @@ def test_from_torchrun_env(calls, monkeypatch):
     assert calls == [{
         "coordinator_address": f"10.0.0.7:{29500 + COORDINATOR_PORT_OFFSET}", "num_processes": 2, "process_id": 1,
         "local_device_ids": None, "initialization_timeout": 30,
+        "coordinator_bind_address": f"10.0.0.7:{29500 + COORDINATOR_PORT_OFFSET}",  # not JAX's [::]
     }]
 
 
@@ -32,7 +33,8 @@ def test_explicit_arguments_win(calls, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     init_distributed("host:1234", num_processes=4, process_id=3, local_device_ids=[0])
-    assert calls == [{"coordinator_address": "host:1234", "num_processes": 4, "process_id": 3, "local_device_ids": [0]}]
+    assert calls == [{"coordinator_address": "host:1234", "num_processes": 4, "process_id": 3, "local_device_ids": [0],
+                      "coordinator_bind_address": "host:1234"}]
 
 
 @pytest.mark.parametrize("env", [{}, {"WORLD_SIZE": "1", "RANK": "0"}], ids=["plain-python", "world-of-one"])
