@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from bagua_x import algorithms
+from bagua_x.core.bucket import BucketLayout
 from bagua_x.jax import AxisCommunicator
 from launch import run_workers
 
@@ -29,9 +30,10 @@ CASES = {
 def _jax_replay(name, kwargs, initial, ins):
     algorithm = getattr(algorithms, name)(**kwargs)
     devices = jax.devices()[:2]
-    reduce = jax.pmap(lambda x, st: algorithm.reduce(x, st, AxisCommunicator("batch")), axis_name="batch",
+    layout = BucketLayout(["x"], [(len(initial[0]),)], "float32")
+    reduce = jax.pmap(lambda x, st: algorithm.reduce(x, layout, st, AxisCommunicator("batch")), axis_name="batch",
                       devices=devices)
-    state = jax.pmap(lambda x: algorithm.init(x, 2), axis_name="batch", devices=devices)(np.stack(initial))
+    state = jax.pmap(lambda x: algorithm.init(x, layout, 2), axis_name="batch", devices=devices)(np.stack(initial))
     outs = []
     for step_inputs in ins:
         out, state = reduce(np.stack(step_inputs), state)

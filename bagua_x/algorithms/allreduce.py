@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..core.comm import ReduceOp
+from ..core.comm import Feature, ReduceOp
 from .base import Algorithm
 
 __all__ = ["GradientAllReduce"]
@@ -20,9 +20,14 @@ class GradientAllReduce(Algorithm):
     average: bool = True
     hierarchical: bool = False
     donates_input = True
+    elementwise = True
 
-    def reduce(self, flat, state, comm):
+    @property
+    def uses(self):
+        return frozenset({Feature.HIERARCHICAL}) if self.hierarchical else frozenset()
+
+    def reduce(self, flat, layout, state, comm):
         op = ReduceOp.AVG if self.average else ReduceOp.SUM
-        if self.hierarchical and hasattr(comm, "hierarchical_allreduce"):
+        if self.hierarchical and Feature.HIERARCHICAL in comm.features:
             return comm.hierarchical_allreduce(flat, op), state
         return comm.allreduce(flat, op), state

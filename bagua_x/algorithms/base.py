@@ -1,12 +1,14 @@
 """The algorithm interface: what is communicated, when, and how -- once for every framework.
 
 An algorithm is a small frozen dataclass of hyperparameters with an optax-style
-pair of pure functions over one bucket's flat buffer:
+pair of pure functions over one bucket -- its flat buffer and its
+:class:`~bagua_x.core.bucket.BucketLayout` (each tensor's name, shape and
+offset, so an algorithm can work per tensor, as PowerSGD does per matrix):
 
-* ``init(flat, world_size) -> state``: the per-bucket state (a dict of arrays,
-  so JAX can thread it through a jitted step and torch can keep it).
-* ``reduce(flat, state, comm) -> (flat, state)``: the communication, using the
-  Array API (``array_api_compat.array_namespace``) for math and the
+* ``init(flat, layout, world_size) -> state``: the per-bucket state (a dict of
+  arrays, so JAX can thread it through a jitted step and torch can keep it).
+* ``reduce(flat, layout, state, comm) -> (flat, state)``: the communication,
+  using the Array API (``array_api_compat.array_namespace``) for math and the
   :class:`~bagua_x.core.Communicator` for collectives.
 
 ``target`` says which tensor of each parameter is the effective tensor
@@ -22,6 +24,9 @@ from typing import Any
 
 import array_api_compat
 
+from ..core.bucket import BucketLayout
+from ..core.comm import Feature
+
 __all__ = ["Target", "Phase", "Algorithm", "namespace", "counter", "every", "ring_allreduce_bytes", "compressed_bytes"]
 
 
@@ -35,6 +40,7 @@ class Phase(enum.Enum):
     AFTER_BACKWARD = "after_backward"  # before the optimizer reads the gradients
     AFTER_STEP = "after_step"  # after the optimizer changed the weights
     BEFORE_FORWARD = "before_forward"  # launched at forward, finished before the step
+    BACKGROUND = "background"  # on a thread of its own, decoupled from the steps (torch only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,23 +54,29 @@ class Algorithm:
     #: frontend may let that collective work in place on the bucket buffer (no copy).
     #: Frontends hand such an algorithm only buffers they overwrite with the result.
     donates_input = False
-    #: The frontends that can run it (AsyncModelAverage needs torch's mutable weights and a thread).
-    frameworks = ("torch", "jax")
+    #: ``reduce`` works elementwise and keeps no state, so a frontend may run it on each
+    #: tensor alone instead of on the packed bucket (where that is faster: JAX, large leaves).
+    elementwise = False
+
+    @property
+    def uses(self) -> frozenset[Feature]:
+        """Optional communicator features ``reduce`` uses where offered (a frontend sets them up)."""
+        return frozenset()
 
     def alignment(self, world_size: int) -> int:
         """Bucket buffers are padded to a multiple of this many elements."""
         return 1
 
-    def init(self, flat, world_size: int) -> dict:
+    def init(self, flat, layout: BucketLayout, world_size: int) -> dict:
         """Per-bucket state, built from the bucket's initial flat buffer."""
         return {}
 
-    def reduce(self, flat, state: dict, comm) -> tuple[Any, dict]:
+    def reduce(self, flat, layout: BucketLayout, state: dict, comm) -> tuple[Any, dict]:
         raise NotImplementedError
 
-    def wire_bytes(self, numel: int, itemsize: int, world_size: int) -> float:
-        """Bytes each rank sends per training step for a bucket of ``numel`` elements (steady state)."""
-        return ring_allreduce_bytes(numel, itemsize, world_size)
+    def wire_bytes(self, layout: BucketLayout, itemsize: int, world_size: int) -> float:
+        """Bytes each rank sends per training step for a bucket laid out as ``layout`` (steady state)."""
+        return ring_allreduce_bytes(layout.padded_numel, itemsize, world_size)
 
     def hyperparameters(self) -> dict:
         """Name and settings, compared across ranks at wrap."""

@@ -44,9 +44,9 @@ class ByteGrad(Algorithm):
     def alignment(self, world_size):
         return world_size
 
-    def wire_bytes(self, numel, itemsize, world_size):
-        return compressed_bytes(numel, world_size)
+    def wire_bytes(self, layout, itemsize, world_size):
+        return compressed_bytes(layout.padded_numel, world_size)
 
-    def reduce(self, flat, state, comm):
+    def reduce(self, flat, layout, state, comm):
         out = flat if is_writeable_array(flat) else None  # torch, numpy: in place; JAX: a new array
         return compressed_allreduce(flat, comm, self.average, out=out), state

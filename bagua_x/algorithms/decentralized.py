@@ -52,17 +52,18 @@ class Decentralized(Algorithm):
         if self.communication_interval < 1:
             raise BaguaXError(f"Decentralized: communication_interval must be >= 1, got {self.communication_interval}")
 
-    def init(self, flat, world_size):
+    def init(self, flat, layout, world_size):
         if self.peer_selection_mode == "shift_one" and world_size % 2:
             raise BaguaXError(f"Decentralized(peer_selection_mode='shift_one') needs an even world size, got {world_size}")
         return {"step": counter(namespace(flat))}
 
-    def wire_bytes(self, numel, itemsize, world_size):
+    def wire_bytes(self, layout, itemsize, world_size):
+        numel = layout.padded_numel
         if self.peer_selection_mode == "all":
             return ring_allreduce_bytes(numel, itemsize, world_size) / self.communication_interval
         return numel * itemsize / self.communication_interval
 
-    def reduce(self, flat, state, comm):
+    def reduce(self, flat, layout, state, comm):
         step = state["step"]
 
         def communicate(x):

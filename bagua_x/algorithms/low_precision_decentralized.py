@@ -48,15 +48,15 @@ class LowPrecisionDecentralized(Algorithm):
                 f"LowPrecisionDecentralized: communication_interval must be >= 1, got {self.communication_interval}"
             )
 
-    def init(self, flat, world_size):
+    def init(self, flat, layout, world_size):
         xp = namespace(flat)
         copy = lambda: xp.astype(flat, xp.float32, copy=True)  # noqa: E731
         return {"step": counter(xp), "w": copy(), "left": copy(), "right": copy()}
 
-    def wire_bytes(self, numel, itemsize, world_size):
-        return 2 * (numel + 8) / self.communication_interval  # uint8 differences to both neighbours
+    def wire_bytes(self, layout, itemsize, world_size):
+        return 2 * (layout.padded_numel + 8) / self.communication_interval  # uint8 differences to both neighbours
 
-    def reduce(self, flat, state, comm):
+    def reduce(self, flat, layout, state, comm):
         xp = namespace(flat)
         n = comm.size
         from_left = [(i, (i + 1) % n) for i in range(n)]  # each rank receives its left neighbour's

@@ -23,13 +23,13 @@ class ModelAverage(Algorithm):
         if self.period < 1:
             raise BaguaXError(f"ModelAverage: period must be >= 1, got {self.period}")
 
-    def init(self, flat, world_size):
+    def init(self, flat, layout, world_size):
         return {"step": counter(namespace(flat))}
 
-    def wire_bytes(self, numel, itemsize, world_size):
-        return ring_allreduce_bytes(numel, itemsize, world_size) / self.period
+    def wire_bytes(self, layout, itemsize, world_size):
+        return ring_allreduce_bytes(layout.padded_numel, itemsize, world_size) / self.period
 
-    def reduce(self, flat, state, comm):
+    def reduce(self, flat, layout, state, comm):
         step = state["step"] + 1  # average after steps period, 2*period, ...
         x = every(comm, step, self.period, lambda y: comm.allreduce(y, ReduceOp.AVG), flat)
         return x, {"step": step}
@@ -51,9 +51,8 @@ class AsyncModelAverage(Algorithm):
     sync_interval_ms: int = 500
     warmup_steps: int = 0
 
-    frameworks = ("torch",)
     target = Target.WEIGHT
-    phase = Phase.AFTER_STEP
+    phase = Phase.BACKGROUND
 
-    def reduce(self, flat, state, comm):
+    def reduce(self, flat, layout, state, comm):
         return flat + async_average_delta(flat, comm), state

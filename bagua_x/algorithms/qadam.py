@@ -74,18 +74,18 @@ class QAdam(Algorithm):
     def alignment(self, world_size):
         return world_size
 
-    def wire_bytes(self, numel, itemsize, world_size):
-        return compressed_bytes(numel, world_size)  # after warmup
+    def wire_bytes(self, layout, itemsize, world_size):
+        return compressed_bytes(layout.padded_numel, world_size)  # after warmup
 
     def is_warmup(self, step: int) -> bool:
         """Whether 1-based step ``step`` communicates gradients (True) or momentum."""
         return step <= self.warmup_steps
 
-    def init(self, flat, world_size):
+    def init(self, flat, layout, world_size):
         xp = namespace(flat)
         return {"step": counter(xp), "m": xp.zeros_like(flat), "v": xp.zeros_like(flat)}
 
-    def step(self, grad, param, state, comm):
+    def step(self, grad, param, layout, state, comm):
         """One QAdam step on a flat bucket: returns ``(update, new_state)`` (optax style)."""
         xp = namespace(grad)
         b1, b2 = self.betas
@@ -106,5 +106,5 @@ class QAdam(Algorithm):
         update = adam_direction(m, v, t, self.lr, b1, b2, self.eps)
         return update, {"step": t, "m": m, "v": v}
 
-    def reduce(self, flat, state, comm):
+    def reduce(self, flat, layout, state, comm):
         raise BaguaXError("QAdam is an optimizer: use QAdamOptimizer (torch) or bagua_x.jax.qadam (JAX)")

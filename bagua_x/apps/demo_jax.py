@@ -77,9 +77,8 @@ def train(algo_name: str, steps: int, batch: int, lr: float, seed: int, coordina
 
     gathered = multihost_utils.process_allgather(np.asarray([accuracy, *losses], np.float64))
     mean = np.asarray(gathered).reshape(world, -1).mean(0)
-    numel = sum(int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(local))
     return {
         "frontend": "jax", "algorithm": algo_name, "losses": mean[1:].tolist(), "accuracy": float(mean[0]),
         "step_ms": 1000 * float(np.mean(times[len(times) // 5 :])),
-        "bytes_per_step": algorithm.wire_bytes(numel, 4, world),
+        "bytes_per_step": sum(algorithm.wire_bytes(layout, 4, world) for layout in dp.layouts),
     }

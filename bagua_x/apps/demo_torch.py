@@ -50,11 +50,10 @@ def train(algo_name: str, steps: int, batch: int, lr: float, seed: int) -> dict:
     stats = torch.tensor([float(correct)])
     dist.all_reduce(curve)
     dist.all_reduce(stats)
-    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     result = {
         "frontend": "torch", "algorithm": algo_name, "losses": (curve / world).tolist(),
         "accuracy": float(stats[0]) / world, "step_ms": 1000 * float(np.mean(times[len(times) // 5 :])),
-        "bytes_per_step": algorithm.wire_bytes(numel, 4, world),
+        "bytes_per_step": sum(algorithm.wire_bytes(b.layout, b.itemsize, world) for b in wrapped.buckets),
     }
     dist.destroy_process_group()
     return result

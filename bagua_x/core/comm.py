@@ -18,6 +18,12 @@ runs on both:
   collective: the one piece of control flow whose form depends on the engine
   (``lax.switch`` when ``index`` is traced, plain Python elsewhere), needed by
   algorithms that act only every k-th step or rotate peers.
+
+Optional features are declared in ``features`` (a frozenset of
+:class:`Feature`), never probed: an algorithm asks ``Feature.HIERARCHICAL in
+comm.features`` before calling ``hierarchical_allreduce(x, op)`` (reduce
+within each node, then across nodes: same result as ``allreduce``, fewer
+bytes on the slow links between nodes).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-__all__ = ["ReduceOp", "Communicator"]
+__all__ = ["ReduceOp", "Feature", "Communicator"]
 
 
 class ReduceOp(enum.Enum):
@@ -33,6 +39,10 @@ class ReduceOp(enum.Enum):
     AVG = "avg"
     MIN = "min"
     MAX = "max"
+
+
+class Feature(enum.Enum):
+    HIERARCHICAL = "hierarchical"  # hierarchical_allreduce(x, op): within nodes, then across them
 
 
 @runtime_checkable
@@ -44,6 +54,10 @@ class Communicator(Protocol):
     @property
     def size(self) -> int:
         """Number of ranks (always a Python int)."""
+
+    @property
+    def features(self) -> frozenset[Feature]:
+        """The optional operations this communicator offers (see :class:`Feature`)."""
 
     def allreduce(self, x, op: ReduceOp = ReduceOp.SUM): ...
 

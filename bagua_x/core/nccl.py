@@ -53,7 +53,7 @@ import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from .comm import ReduceOp
+from .comm import Feature, ReduceOp
 from .dlpack import (
     _DTYPE_NAMES, BufferInfo, _DLDataType, _DLDevice, _DLManagedTensor, buffer_info, is_jax_owned,
 )
@@ -436,6 +436,11 @@ class NcclCommunicator:
     @property
     def size(self) -> int:
         return self._size
+
+    @property
+    def features(self) -> frozenset[Feature]:
+        """No optional features: hierarchical algorithms run flat here."""
+        return frozenset()
 
     @property
     def device(self) -> int:

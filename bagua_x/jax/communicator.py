@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..core.comm import ReduceOp
+from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
 
 __all__ = ["AxisCommunicator", "axis_size"]
@@ -66,6 +66,11 @@ class AxisCommunicator:
     @property
     def size(self) -> int:
         return self._size
+
+    @property
+    def features(self) -> frozenset[Feature]:
+        """Always HIERARCHICAL: grouped collectives under pmap, one flat allreduce under shard_map."""
+        return frozenset({Feature.HIERARCHICAL})
 
     def allreduce(self, x, op: ReduceOp = ReduceOp.SUM):
         if op is ReduceOp.SUM:

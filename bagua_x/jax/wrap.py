@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..algorithms import Algorithm, GradientAllReduce, QAdam, Target
+from ..algorithms import Algorithm, GradientAllReduce, Phase, Target
 from ..core.bucket import BucketLayout, plan_buckets
 from ..core.errors import BaguaXError
 from ..core.validation import describe
@@ -56,10 +56,10 @@ class DataParallel:
         check_finite: bool = False,
     ):
         self.algorithm = algorithm if algorithm is not None else GradientAllReduce()
-        if "jax" not in self.algorithm.frameworks:
+        if self.algorithm.phase is Phase.BACKGROUND:
             raise BaguaXError(
-                f"bagua_x.jax.wrap: {type(self.algorithm).__name__} runs only in the {'/'.join(self.algorithm.frameworks)}"
-                " frontend (it needs a background thread on mutable weights); in JAX average synchronously with "
+                f"bagua_x.jax.wrap: {type(self.algorithm).__name__} communicates on a background thread of its own, "
+                "which needs mutable weights (the torch frontend); in JAX average synchronously with "
                 "ModelAverage(period=...), every period steps"
             )
         self.axis_name = axis_name
@@ -83,7 +83,7 @@ class DataParallel:
             BucketLayout([self.names[i] for i in b], [self._shapes[i] for i in b], str(self._dtypes[b[0]]), alignment)
             for b in self.buckets
         ]
-        per_leaf_ok = type(self.algorithm) is GradientAllReduce  # stateless and elementwise
+        per_leaf_ok = self.algorithm.elementwise
         if pack_buckets is False and not per_leaf_ok:
             raise BaguaXError(
                 f"wrap(pack_buckets=False) works only with GradientAllReduce; {self.algorithm!r} needs whole buckets"
@@ -146,7 +146,7 @@ class DataParallel:
         else:
             leaves = self._leaves(self._initial if params is None else params, "init_state")
         return tuple(
-            self.algorithm.init(layout.pack([leaves[i] for i in bucket], xp=jnp), self.world_size)
+            self.algorithm.init(layout.pack([leaves[i] for i in bucket], xp=jnp), layout, self.world_size)
             for bucket, layout in zip(self.buckets, self.layouts)
         )
 
@@ -164,7 +164,7 @@ class DataParallel:
         axis_size(self.axis_name)  # fail outside pmap/shard_map even when there is nothing to do
         if self.algorithm.target is not Target.GRAD:
             return grads, state
-        return self._run(lambda g, st, comm: self.algorithm.reduce(g, st, comm), [grads], state, "reduce_gradients")
+        return self._run(self.algorithm.reduce, [grads], state, "reduce_gradients")
 
     def sync_params(self, params: Any, state: tuple) -> tuple[Any, tuple]:
         """Communicate weights with a weight algorithm; identity for gradient algorithms.
@@ -176,7 +176,7 @@ class DataParallel:
         axis_size(self.axis_name)
         if self.algorithm.target is not Target.WEIGHT:
             return params, state
-        return self._run(lambda p, st, comm: self.algorithm.reduce(p, st, comm), [params], state, "sync_params")
+        return self._run(self.algorithm.reduce, [params], state, "sync_params")
 
     def gradient_transformation(self):
         """An ``optax.GradientTransformation`` whose update is :meth:`reduce_gradients`.
@@ -213,13 +213,13 @@ class DataParallel:
         import optax
 
         algorithm = self.algorithm
-        if not isinstance(algorithm, QAdam):
+        if algorithm.target is not Target.MOMENTUM:
             raise BaguaXError(f"dp.qadam() needs wrap(..., algorithm=QAdam(...)), but this wrap uses {algorithm!r}")
 
         def init(params):
             leaves = self._leaves(params, "qadam init")
             return tuple(
-                algorithm.init(jnp.zeros((layout.padded_numel,), leaves[bucket[0]].dtype), self.world_size)
+                algorithm.init(jnp.zeros((layout.padded_numel,), leaves[bucket[0]].dtype), layout, self.world_size)
                 for bucket, layout in zip(self.buckets, self.layouts)
             )
 
@@ -315,7 +315,7 @@ class DataParallel:
         return [x for _, x in flat]
 
     def _run(self, fn, trees: list, state: tuple, where: str) -> tuple[Any, tuple]:
-        """``fn(flat, *more_flats, bucket_state, comm) -> (flat, bucket_state)`` on every bucket of ``trees``.
+        """``fn(flat, *more_flats, layout, bucket_state, comm) -> (flat, bucket_state)`` on every bucket of ``trees``.
 
         The result replaces the first tree's registered leaves; other leaves pass through.
         """
@@ -329,8 +329,9 @@ class DataParallel:
         out, new_state = list(leaves[0]), []
         for bucket, layout, st in zip(self.buckets, self.layouts, state):
             if not self.pack_buckets:
-                for i in bucket:
-                    out[i], st = fn(*(ls[i] for ls in leaves), st, comm)
+                for i in bucket:  # one leaf is a bucket of its own
+                    leaf = BucketLayout([self.names[i]], [self._shapes[i]], str(self._dtypes[i]))
+                    out[i], st = fn(*(ls[i] for ls in leaves), leaf, st, comm)
             else:
                 if layout.padded_numel % self.algorithm.alignment(comm.size):
                     raise BaguaXError(
@@ -339,7 +340,7 @@ class DataParallel:
                         f"size {comm.size}; pass world_size={comm.size} to wrap"
                     )
                 flats = [layout.pack([ls[i] for i in bucket], xp=jnp) for ls in leaves]
-                flat, st = fn(*flats, st, comm)
+                flat, st = fn(*flats, layout, st, comm)
                 for i, value in zip(bucket, layout.unpack(flat, xp=jnp)):
                     out[i] = value.astype(self._dtypes[i])
             new_state.append(st)

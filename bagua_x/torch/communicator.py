@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.comm import ReduceOp
+from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
 
 __all__ = ["TorchCommunicator"]
@@ -46,6 +46,7 @@ class TorchCommunicator:
         self._size = dist.get_world_size(process_group)
         self._donated: Optional[torch.Tensor] = None
         self._native_reduce_scatter = True  # else alltoall + local reduction (older gloo)
+        self._features: frozenset[Feature] = frozenset()
 
     @property
     def rank(self) -> int:
@@ -54,6 +55,11 @@ class TorchCommunicator:
     @property
     def size(self) -> int:
         return self._size
+
+    @property
+    def features(self) -> frozenset[Feature]:
+        """HIERARCHICAL once :meth:`enable_hierarchical` has built the node groups."""
+        return self._features
 
     def __repr__(self) -> str:
         return f"TorchCommunicator(rank={self._rank}, size={self._size})"
@@ -180,10 +186,11 @@ class TorchCommunicator:
             if self._rank in ranks:
                 self._node_group, self._leader = group, ranks[0]
         self._leaders_group = dist.new_group([ranks[0] for ranks in nodes])
+        self._features = self._features | {Feature.HIERARCHICAL}
 
     def hierarchical_allreduce(self, x: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """Reduce within the node to its leader, allreduce among leaders, broadcast within the node."""
-        if not hasattr(self, "_node_group"):
+        if Feature.HIERARCHICAL not in self._features:
             raise BaguaXError("hierarchical_allreduce before enable_hierarchical(); wrap() does this when "
                               "the algorithm has hierarchical=True")
         out = self._writable(x)

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from ..algorithms.base import Algorithm, Target
-from ..core.bucket import Bucket
+from ..core.bucket import Bucket, BucketLayout
 from ..core.comm import ReduceOp
 from ..core.readiness import BucketDispatcher
 from ..core.tensor import RegisteredTensor
@@ -40,13 +40,14 @@ __all__ = ["GradientEngine", "run_reduce", "reduce_bucket"]
 
 log = logging.getLogger(__name__)
 
-def run_reduce(algorithm: Algorithm, flat: torch.Tensor, state: dict, comm: TorchCommunicator) -> dict:
+def run_reduce(algorithm: Algorithm, flat: torch.Tensor, layout: BucketLayout, state: dict,
+               comm: TorchCommunicator) -> dict:
     """``flat <- reduce(flat)``, in place; returns the new state."""
     if algorithm.donates_input:
         with comm.donate(flat):
-            out, state = algorithm.reduce(flat, state, comm)
+            out, state = algorithm.reduce(flat, layout, state, comm)
     else:
-        out, state = algorithm.reduce(flat, state, comm)
+        out, state = algorithm.reduce(flat, layout, state, comm)
     if out is not flat:
         flat.copy_(out)
     return state
@@ -56,7 +57,7 @@ def reduce_bucket(algorithm: Algorithm, bucket: Bucket, flat: torch.Tensor, stat
                   finite: bool, what: str) -> dict:
     """:func:`run_reduce` on one bucket's ``flat`` values, then (``finite``) the check_finite check."""
     local_bad = non_finite_tensors(bucket, flat) if finite else []
-    state = run_reduce(algorithm, flat, state, comm)
+    state = run_reduce(algorithm, flat, bucket.layout, state, comm)
     if finite:
         check_finite(bucket, flat, local_bad, what)
     return state
@@ -88,7 +89,7 @@ class GradientEngine:
         self._tensors, self._index = tensors, {t.name: i for i, t in enumerate(tensors)}
         self.buckets: list[Bucket] = build_buckets(tensors, algorithm, comm.size, bucket_cap_mb, "grad_bucket_",
                                                    make=_grad_bucket)
-        self.states = [algorithm.init(b.buffer, comm.size) for b in self.buckets]
+        self.states = [algorithm.init(b.buffer, b.layout, comm.size) for b in self.buckets]
         self.enabled = True  # False inside no_sync()
         self._dispatcher = BucketDispatcher(self.buckets, self._launch)
         self._worker = CommWorker("bagua_x-grad-comm", tensors[0].proxy.device, comm.timeout,

@@ -52,7 +52,7 @@ class WeightEngine:
         with torch.no_grad():
             for b in self.buckets:
                 b.flatten()
-            self.states = [algorithm.init(b.buffer, comm.size) for b in self.buckets]
+            self.states = [algorithm.init(b.buffer, b.layout, comm.size) for b in self.buckets]
         self.enabled = True  # False inside no_sync()
         self._in_flight: Optional[list[torch.Tensor]] = None
         self._hooks: Optional[BackwardHooks] = None

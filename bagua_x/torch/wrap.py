@@ -16,8 +16,9 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..algorithms import AsyncModelAverage, GradientAllReduce, QAdam
-from ..algorithms.base import Algorithm, Target
+from ..algorithms import GradientAllReduce
+from ..algorithms.base import Algorithm, Phase, Target
+from ..core.comm import Feature
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from .async_average import AsyncAverageEngine
@@ -51,7 +52,7 @@ class DistributedModel(torch.nn.Module):
         self.process_group = process_group
         self.timeout = resolve_timeout(timeout, process_group)
         self.comm = TorchCommunicator(process_group, timeout=self.timeout)
-        if getattr(algorithm, "hierarchical", False):
+        if Feature.HIERARCHICAL in algorithm.uses:
             self.comm.enable_hierarchical()
         # exchanged with the model description, so a problem on any rank is raised on every rank
         problem = input_problem(module)
@@ -64,7 +65,7 @@ class DistributedModel(torch.nn.Module):
         self._buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
         self._sync_buffers_next = True
         named = list(module.named_parameters())
-        if isinstance(algorithm, AsyncModelAverage):
+        if algorithm.phase is Phase.BACKGROUND:
             self._engine = AsyncAverageEngine(named, algorithm, self.comm, bucket_cap_mb, optimizer,
                                               find_unused_parameters, check_finite)
         elif algorithm.target is Target.GRAD:
@@ -72,14 +73,9 @@ class DistributedModel(torch.nn.Module):
                                           check_finite)
         elif algorithm.target is Target.WEIGHT:
             self._engine = WeightEngine(named, algorithm, self.comm, bucket_cap_mb, optimizer, check_finite)
-        elif isinstance(algorithm, QAdam):
+        else:  # Target.MOMENTUM: the optimizer's first moment (QAdam)
             self._engine = MomentumEngine(named, algorithm, self.comm, bucket_cap_mb, optimizer,
                                           find_unused_parameters, check_finite)
-        else:
-            raise BaguaXError(
-                f"{type(algorithm).__name__} communicates {algorithm.target.value!r}, which bagua_x.torch.wrap does "
-                "not support; use a gradient or weight algorithm, or QAdam with QAdamOptimizer"
-            )
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -137,7 +133,7 @@ class DistributedModel(torch.nn.Module):
         self._async_engine().resume()
 
     def _async_engine(self) -> AsyncAverageEngine:
-        if not isinstance(self._engine, AsyncAverageEngine):
+        if self.algorithm.phase is not Phase.BACKGROUND:
             raise BaguaXError(
                 f"abort()/resume() apply to AsyncModelAverage only; this model uses {type(self.algorithm).__name__}"
             )

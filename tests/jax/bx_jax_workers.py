@@ -354,6 +354,7 @@ def algorithms_worker(steps: int):
     from jax.experimental import multihost_utils
 
     from bagua_x.algorithms import ByteGrad, Decentralized, LowPrecisionDecentralized, ModelAverage
+    from bagua_x.core.bucket import BucketLayout
     from bagua_x.jax import AxisCommunicator
 
     n, nlocal = jax.device_count(), jax.local_device_count()
@@ -364,10 +365,12 @@ def algorithms_worker(steps: int):
     }
     results = {}
     for name, algorithm in algorithms.items():
-        reduce = jax.pmap(lambda x, st, a=algorithm: a.reduce(x, st, AxisCommunicator("batch")), axis_name="batch")
+        layout = BucketLayout(["x"], [(len(algorithm_inputs(0, n)[0]),)], "float32")
+        reduce = jax.pmap(lambda x, st, a=algorithm, lay=layout: a.reduce(x, lay, st, AxisCommunicator("batch")),
+                          axis_name="batch")
         first = np.stack(algorithm_inputs(0, n)[mine])
         # (a multi-process pmap with no outputs fails in jax 0.10.2: ByteGrad's state is {})
-        state = {} if name == "bytegrad" else jax.pmap(lambda x, a=algorithm: a.init(x, n), axis_name="batch")(first)
+        state = {} if name == "bytegrad" else jax.pmap(lambda x, a=algorithm: a.init(x, layout, n), axis_name="batch")(first)
         outs = []
         for s in range(steps):
             out, state = jax.block_until_ready(reduce(np.stack(algorithm_inputs(s, n)[mine]), state))

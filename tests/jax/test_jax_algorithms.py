@@ -15,6 +15,7 @@ from algorithms import reference as ref
 from bagua_x.algorithms import (
     ByteGrad, Decentralized, GradientAllReduce, LowPrecisionDecentralized, ModelAverage, QAdam,
 )
+from bagua_x.core.bucket import BucketLayout
 from bagua_x.jax import AxisCommunicator, wrap
 
 N, NUMEL, STEPS = 4, 64, 6
@@ -36,6 +37,11 @@ def assert_close_but_rare_code_flips(got, want, atol, flip_tol, max_flips):
     err = np.abs(got.astype(np.float64) - want)
     assert np.count_nonzero(err > atol) <= max_flips, (np.count_nonzero(err > atol), np.sort(err)[-5:])
     assert err.max() <= flip_tol, err.max()
+
+
+def flat_layout(numel):
+    """A bucket holding one 1-D tensor of ``numel`` float32 elements."""
+    return BucketLayout(["x"], [(numel,)], "float32")
 
 
 class RecordingCommunicator(AxisCommunicator):
@@ -64,11 +70,12 @@ class Traced:
 
         def reduce(x, st):
             self.traces += 1
-            return algorithm.reduce(x, st, RecordingCommunicator("batch", self.sent))
+            return algorithm.reduce(x, flat_layout(x.shape[0]), st, RecordingCommunicator("batch", self.sent))
 
         self.algorithm = algorithm
         self.reduce = jax.pmap(reduce, axis_name="batch")
-        self.state = jax.pmap(lambda x: algorithm.init(x, N), axis_name="batch")(np.stack(first_xs))
+        layout = flat_layout(len(first_xs[0]))
+        self.state = jax.pmap(lambda x: algorithm.init(x, layout, N), axis_name="batch")(np.stack(first_xs))
 
     def __call__(self, xs):
         out, self.state = self.reduce(np.stack(xs), self.state)

@@ -249,6 +249,7 @@ def algorithm_steps(name, kwargs, steps, numel, chained):
     import torch
 
     from bagua_x import algorithms
+    from bagua_x.core.bucket import BucketLayout
     from bagua_x.torch import TorchCommunicator
 
     sent = []
@@ -269,13 +270,14 @@ def algorithm_steps(name, kwargs, steps, numel, chained):
     comm = RecordingCommunicator()
     alg = getattr(algorithms, name)(**kwargs)
     x = torch.from_numpy(rank_data(rank, (numel,), seed=0))
-    state = alg.init(x, size)
+    layout = BucketLayout(["x"], [(numel,)], "float32")
+    state = alg.init(x, layout, size)
     ins, outs = [], []
     for s in range(steps):
         change = torch.from_numpy(rank_data(rank, (numel,), seed=s + 1))
         x = x + 0.1 * change if chained else change
         ins.append(x.numpy().copy())
-        x, state = alg.reduce(x, state, comm)
+        x, state = alg.reduce(x, layout, state, comm)
         outs.append(x.numpy().copy())
     return {"initial": rank_data(rank, (numel,), seed=0), "ins": ins, "outs": outs,
             "state": {k: np.asarray(v) for k, v in state.items()}, "sent": sent}
@@ -402,7 +404,7 @@ def api_checks():
 
     # an algorithm failing on the communication thread surfaces in backward() on the main thread
     class Broken(Algorithm):
-        def reduce(self, flat, state, comm):
+        def reduce(self, flat, layout, state, comm):
             raise ValueError("boom")
 
     w = bxt.wrap(torch.nn.Linear(4, 4), algorithm=Broken())
@@ -577,10 +579,10 @@ def buffer_broadcast_during_exchange():
 
     @dataclasses.dataclass(frozen=True)
     class SlowOnRankOne(Decentralized):
-        def reduce(self, flat, state, comm):
+        def reduce(self, flat, layout, state, comm):
             if comm.rank == 1:
                 time.sleep(1.0)
-            return super().reduce(flat, state, comm)
+            return super().reduce(flat, layout, state, comm)
 
     rank, _ = init()
     torch.manual_seed(0)
