@@ -176,6 +176,11 @@ class SimulatedCommunicator:
         return arrays[sources[0]].copy() if sources else np.zeros_like(arrays[self._rank])
 
     def switch(self, index, branches: Sequence[Callable[[Any], Any]], operand):
+        # as lax.switch: an integer index (a Python int or an integer array), in range
+        if not (isinstance(index, int) or np.issubdtype(np.asarray(index).dtype, np.integer)):
+            raise CollectiveError(f"switch: index {index!r} is not an integer")
+        if not 0 <= int(index) < len(branches):
+            raise CollectiveError(f"switch: index {int(index)} outside {len(branches)} branches")
         return branches[int(index)](operand)
 
 

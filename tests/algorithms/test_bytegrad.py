@@ -121,3 +121,15 @@ def test_declarations():
     assert [alg.alignment(n) for n in SIZES] == SIZES
     assert alg.init(np.zeros(4, np.float32), 4) == {}
     assert alg.wire_bytes(4000, 4, 4) == compressed_bytes(4000, 4) == 2 * 3 * (1000 + 8)
+
+
+def test_read_only_bucket_gets_a_new_array():
+    """Where the input cannot be written (JAX; here a read-only numpy array) the result is a new array."""
+    xs = grads(2, 0)
+    def fn(c):
+        flat = xs[c.rank].copy()
+        flat.flags.writeable = False
+        return ByteGrad().reduce(flat, {}, c)[0], flat
+    out, _ = run(2, fn)
+    for result, flat in out:
+        assert result is not flat and np.abs(result - ref.bytegrad(xs)[0]).max() <= 1e-7  # seen 0

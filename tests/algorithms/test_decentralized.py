@@ -71,6 +71,7 @@ def test_shift_one_pairs_are_symmetric_and_rotate(n):
     for s in range(3 * n):
         pairs = shift_one_pairs(n, s)
         assert [d for _, d in pairs] == [ref.shift_one_peer(r, n, s) for r in range(n)]
+        assert all(type(s_) is int and type(d) is int for s_, d in pairs)  # ranks, not floats
         peer = dict(pairs)
         assert all(peer[peer[r]] == r and peer[r] != r for r in range(n))  # a perfect matching
         assert all((r < n // 2) != (peer[r] < n // 2) for r in range(n))  # across the two halves

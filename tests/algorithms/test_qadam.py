@@ -76,7 +76,7 @@ def test_matches_reference_over_steps(n, warmup_steps, weight_decay):
 
 def test_reduce_is_refused_and_declarations():
     alg = QAdam()
-    with pytest.raises(BaguaXError, match="QAdam is an optimizer.*QAdamOptimizer"):
+    with pytest.raises(BaguaXError, match=r"^QAdam is an optimizer: use QAdamOptimizer \(torch\) or bagua_x.jax.qadam \(JAX\)$"):
         alg.reduce(np.zeros(4, np.float32), {}, None)
     assert (alg.lr, alg.warmup_steps, alg.betas, alg.eps, alg.weight_decay) == (1e-3, 100, (0.9, 0.999), 1e-8, 0.0)
     assert (alg.target, alg.phase, alg.donates_input) == (Target.MOMENTUM, Phase.AFTER_BACKWARD, False)
@@ -94,3 +94,24 @@ def test_adam_direction_formula():
     assert np.abs(got - want).max() <= 1e-7  # float32 arrays, float64 bias corrections: seen 7.7e-8
     t = np.asarray(3, np.int32)  # the state's counter: bias corrections computed in float32
     assert np.abs(adam_direction(m, v, t, 0.5, 0.9, 0.99, 1e-3) - want).max() <= 2.5e-7  # seen 2.2e-7
+
+
+def test_adam_direction_with_a_traced_step():
+    """Under jit the step counter is a tracer: the bias corrections must stay array operations."""
+    jax = pytest.importorskip("jax")
+    m, v = np.array([0.1, -0.2], np.float32), np.array([0.04, 0.01], np.float32)
+    got = jax.jit(lambda t: adam_direction(m, v, t, 0.5, 0.9, 0.99, 1e-3))(np.int32(3))
+    want = adam_direction(m, v, np.asarray(3, np.int32), 0.5, 0.9, 0.99, 1e-3)
+    assert np.abs(np.asarray(got) - want).max() <= 1e-7  # XLA vs numpy float32: seen 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(lr=-1e-3), dict(betas=(1.0, 0.999)), dict(betas=(0.9, 1.0)),
+                                    dict(betas=(-0.1, 0.999)), dict(betas=(0.9, -0.1))])
+def test_refuses_bad_lr_and_betas(kwargs):
+    with pytest.raises(BaguaXError, match=r"^QAdam: need lr >= 0, .*betas in \[0, 1\); got lr="):
+        QAdam(**kwargs)
+
+
+def test_accepts_boundary_lr_and_betas():
+    QAdam(lr=0.0, betas=(0.0, 0.0))
+    QAdam(betas=(0.999, 0.5))

@@ -92,8 +92,12 @@ def test_bytes_sent(n):
             [2 * (n - 1) / n * b, (n - 1) * b, (n - 1) / n * b, (n - 1) / n * b, b if c.rank == 1 else 0])
 
 
-def test_is_a_communicator():
-    out, _ = run(1, lambda c: isinstance(c, Communicator))
+def test_has_every_member_of_the_protocol():
+    # the protocol's own members (not isinstance: mutmut adds members to the class it mutates)
+    members = [m for m in vars(Communicator) if not m.startswith("_") and m.isascii() and "mutmut" not in m]
+    assert sorted(members) == sorted(["rank", "size", "allreduce", "allgather", "alltoall", "reduce_scatter",
+                                      "broadcast", "permute", "switch"])
+    out, _ = run(1, lambda c: all(hasattr(c, m) for m in members))
     assert out == [True]
 
 
@@ -143,3 +147,10 @@ def test_hierarchical_allreduce_equals_flat(op):
                      local_size=2)
     for hier, flat in out:
         assert np.abs(hier - flat).max() <= 1e-6  # different summation order: seen <= 5e-7
+
+
+def test_switch_wants_an_integer_index_in_range():
+    with pytest.raises(CollectiveError, match="not an integer"):
+        run(1, lambda c: c.switch(np.float64(1.0), [lambda o: o, lambda o: o], 0))
+    with pytest.raises(CollectiveError, match="outside 2 branches"):
+        run(1, lambda c: c.switch(2, [lambda o: o, lambda o: o], 0))
