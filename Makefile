@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench clean
+.PHONY: test demo bench mutation clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -23,5 +23,13 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/bagua-x bench
 
+# Mutation testing of bagua_x/algorithms and bagua_x/core (core/nccl.py excluded) against the fast
+# tests (tests/algorithms, tests/core without test_core_nccl.py); configured in pyproject's
+# [tool.mutmut], results kept in ./mutants (a rerun only retests what changed). Not part of `test`.
+mutation: $(STAMP)
+	$(PY) -m pip install -q -e '.[mutation]'
+	$(PY) -m mutmut run --max-children 2
+	$(PY) -m mutmut results
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info mutants

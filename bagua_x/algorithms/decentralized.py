@@ -54,7 +54,10 @@ class Decentralized(Algorithm):
 
     def init(self, flat, layout, world_size):
         if self.peer_selection_mode == "shift_one" and world_size % 2:
-            raise BaguaXError(f"Decentralized(peer_selection_mode='shift_one') needs an even world size, got {world_size}")
+            raise BaguaXError(
+                f"Decentralized(peer_selection_mode='shift_one') needs an even number of ranks (it pairs them), "
+                f"got {world_size}; use peer_selection_mode='all' instead"
+            )
         return {"step": counter(namespace(flat))}
 
     def wire_bytes(self, layout, itemsize, world_size):

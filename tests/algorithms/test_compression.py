@@ -34,7 +34,11 @@ def test_matches_bagua_formula_on_ordinary_gradients():
 
 def test_is_really_quantized():
     x = np.linspace(-1, 1, 10_000, dtype=np.float32)
-    assert len(np.unique(quantize_roundtrip(x))) <= 256
+    y = quantize_roundtrip(x)
+    assert y.shape == x.shape and y.dtype == np.float32
+    assert len(np.unique(y)) == 256  # evenly spread values use every level
+    x2 = x.reshape(100, 100)
+    assert quantize_roundtrip(x2).shape == (100, 100)
 
 
 @pytest.mark.parametrize("x", [

@@ -1,0 +1,241 @@
+"""An in-process Communicator over numpy: N simulated ranks, one thread each.
+
+``run(n, fn)`` calls ``fn(comm)`` on ``n`` threads, each with its own
+:class:`SimulatedCommunicator`; the ``n`` communicators share one
+:class:`Rendezvous`.  Every collective deposits a copy of its input, waits at a
+barrier, computes its result from all ranks' inputs in numpy, and waits again
+before the slots can be reused.  So the algorithms run exactly as on real
+ranks (each rank its own state, its own branch of ``switch``), in milliseconds.
+
+Safety nets, so a wrong algorithm fails instead of hanging or lying:
+
+* every barrier wait has a timeout (``timeout`` seconds): a rank that skips a
+  collective makes the others fail fast with ``CollectiveError``;
+* ranks that call different collectives at the same point (or the same one
+  with different shapes/dtypes/arguments) all raise ``CollectiveError`` naming
+  what each rank called;
+* inputs are copied on arrival and results are fresh arrays, so an algorithm
+  cannot depend on a collective sharing memory with its input.
+
+Each rank's communicator records what it sends (:attr:`SimulatedCommunicator.sent`):
+one :class:`Sent` per collective with the array handed in, its dtype, shape
+and the bytes this rank puts on the wire under the usual algorithms:
+
+==================  ==================================================
+allreduce           ring: ``2 (N-1)/N * nbytes``
+allgather           ``(N-1) * nbytes`` (its array to every other rank)
+alltoall            ``(N-1)/N * nbytes`` (every row but its own)
+reduce_scatter      ``(N-1)/N * nbytes``
+broadcast           ``nbytes`` on the root, 0 elsewhere
+permute             ``nbytes`` per pair ``(rank, dst)`` with ``dst != rank``
+==================  ==================================================
+
+This file shares no code with bagua_x (only the ReduceOp names it is called with).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from bagua_x.core.comm import ReduceOp
+
+
+class CollectiveError(RuntimeError):
+    """A collective that cannot complete: mis-paired across ranks, or a rank that never came."""
+
+
+@dataclasses.dataclass
+class Sent:
+    op: str
+    dtype: np.dtype
+    shape: tuple
+    nbytes: float  # bytes this rank sends for this collective
+    data: np.ndarray  # a copy of the array this rank handed to the collective
+
+
+class Rendezvous:
+    """Shared by the N communicators of one simulated job."""
+
+    def __init__(self, size: int, timeout: float = 5.0):
+        self.size = size
+        self.timeout = timeout
+        self._barrier = threading.Barrier(size, timeout=timeout)
+        self._slots: list[Any] = [None] * size
+
+    def _wait(self, rank: int, what: str) -> None:
+        try:
+            self._barrier.wait()
+        except threading.BrokenBarrierError:
+            raise CollectiveError(
+                f"rank {rank}: {what} did not complete within {self.timeout} s on all {self.size} ranks "
+                "(a rank skipped it, called another collective, or failed)"
+            ) from None
+
+    def exchange(self, rank: int, key: tuple, payload: Any) -> list:
+        """Deposit ``payload`` under ``key`` (what is being called); return every rank's payload."""
+        self._slots[rank] = (key, payload)
+        self._wait(rank, key[0])
+        entries = list(self._slots)
+        self._wait(rank, key[0])  # everyone has read before anyone deposits again
+        keys = [e[0] for e in entries]
+        if any(k != keys[0] for k in keys):  # every rank sees it and raises: no abort needed
+            lines = ", ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
+            raise CollectiveError(f"rank {rank}: ranks called mismatched collectives: {lines}")
+        return [e[1] for e in entries]
+
+
+def _reduce(arrays: Sequence[np.ndarray], op: ReduceOp) -> np.ndarray:
+    stacked = np.stack(arrays)
+    if op is ReduceOp.SUM:
+        return np.sum(stacked, axis=0, dtype=stacked.dtype)
+    if op is ReduceOp.AVG:
+        total = np.sum(stacked, axis=0, dtype=stacked.dtype)
+        if np.issubdtype(total.dtype, np.integer):
+            return total // len(arrays)
+        return (total / len(arrays)).astype(stacked.dtype)
+    if op is ReduceOp.MIN:
+        return np.min(stacked, axis=0)
+    if op is ReduceOp.MAX:
+        return np.max(stacked, axis=0)
+    raise CollectiveError(f"unknown reduce op {op!r}")
+
+
+class SimulatedCommunicator:
+    """The Communicator protocol for one simulated rank (numpy arrays in, numpy arrays out)."""
+
+    def __init__(self, rendezvous: Rendezvous, rank: int):
+        self._rv = rendezvous
+        self._rank = rank
+        self.sent: list[Sent] = []
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._rv.size
+
+    def __repr__(self) -> str:
+        return f"SimulatedCommunicator(rank={self._rank}, size={self.size})"
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def bytes_sent(self, op: str | None = None) -> float:
+        return sum(s.nbytes for s in self.sent if op is None or s.op == op)
+
+    def ops(self) -> list[str]:
+        return [s.op for s in self.sent]
+
+    def _collective(self, op: str, x, extra: tuple, nbytes_factor: float) -> list[np.ndarray]:
+        x = np.array(x, copy=True)  # the sender's array as it was at the call
+        n = self.size
+        self.sent.append(Sent(op, x.dtype, x.shape, nbytes_factor * x.nbytes, x))
+        return self._rv.exchange(self._rank, (op, x.dtype.str, x.shape, extra), x)
+
+    def _check_rows(self, x, what: str) -> None:
+        if np.ndim(x) == 0 or np.shape(x)[0] != self.size:
+            raise CollectiveError(f"{what} needs a first dimension of {self.size}, got shape {np.shape(x)}")
+
+    # -- collectives ------------------------------------------------------------------------
+    def allreduce(self, x, op: ReduceOp = ReduceOp.SUM):
+        n = self.size
+        return _reduce(self._collective("allreduce", x, (op,), 2 * (n - 1) / n), op)
+
+    def allgather(self, x):
+        return np.stack(self._collective("allgather", x, (), self.size - 1))
+
+    def alltoall(self, x):
+        self._check_rows(x, "alltoall")
+        n = self.size
+        rows = self._collective("alltoall", x, (), (n - 1) / n)
+        return np.stack([rows[src][self._rank] for src in range(n)])
+
+    def reduce_scatter(self, x, op: ReduceOp = ReduceOp.SUM):
+        self._check_rows(x, "reduce_scatter")
+        n = self.size
+        rows = self._collective("reduce_scatter", x, (op,), (n - 1) / n)
+        return _reduce([r[self._rank] for r in rows], op)
+
+    def broadcast(self, x, root: int = 0):
+        if not 0 <= root < self.size:
+            raise CollectiveError(f"broadcast root {root} outside {self.size} ranks")
+        arrays = self._collective("broadcast", x, (root,), 1.0 if self._rank == root else 0.0)
+        return arrays[root].copy()
+
+    def permute(self, x, pairs: Sequence[tuple[int, int]]):
+        pairs = tuple((int(s), int(d)) for s, d in pairs)
+        sends = sum(1 for s, d in pairs if s == self._rank and d != self._rank)
+        arrays = self._collective("permute", x, (pairs,), float(sends))
+        sources = [s for s, d in pairs if d == self._rank]
+        if len(sources) > 1:
+            raise CollectiveError(f"permute: rank {self._rank} is the destination of {sources}")
+        return arrays[sources[0]].copy() if sources else np.zeros_like(arrays[self._rank])
+
+    def switch(self, index, branches: Sequence[Callable[[Any], Any]], operand):
+        # as lax.switch: an integer index (a Python int or an integer array), in range
+        if not (isinstance(index, int) or np.issubdtype(np.asarray(index).dtype, np.integer)):
+            raise CollectiveError(f"switch: index {index!r} is not an integer")
+        if not 0 <= int(index) < len(branches):
+            raise CollectiveError(f"switch: index {int(index)} outside {len(branches)} branches")
+        return branches[int(index)](operand)
+
+
+class HierarchicalSimulatedCommunicator(SimulatedCommunicator):
+    """Also offers ``hierarchical_allreduce`` (Bagua's leader scheme) over nodes of ``local_size`` ranks."""
+
+    def __init__(self, rendezvous: Rendezvous, rank: int, local_size: int):
+        super().__init__(rendezvous, rank)
+        self.local_size = local_size
+
+    def hierarchical_allreduce(self, x, op: ReduceOp = ReduceOp.SUM):
+        arrays = self._collective("hierarchical_allreduce", x, (op, self.local_size), 0.0)
+        local = self.local_size
+        leaders = [_reduce(arrays[n:n + local], ReduceOp.SUM if op is ReduceOp.AVG else op)
+                   for n in range(0, self.size, local)]
+        out = _reduce(leaders, ReduceOp.SUM if op is ReduceOp.AVG else op)
+        if op is ReduceOp.AVG:
+            out = out // self.size if np.issubdtype(out.dtype, np.integer) else (out / self.size).astype(out.dtype)
+        return out
+
+
+def run(n: int, fn: Callable[[SimulatedCommunicator], Any], timeout: float = 5.0, local_size: int | None = None):
+    """``fn(comm)`` on ``n`` simulated ranks; returns ``(results, comms)``, one per rank.
+
+    The first exception raised on any rank is re-raised here (a rank's own error
+    before the ``CollectiveError`` it caused on the others).
+    """
+    rv = Rendezvous(n, timeout)
+    if local_size is None:
+        comms = [SimulatedCommunicator(rv, r) for r in range(n)]
+    else:
+        comms = [HierarchicalSimulatedCommunicator(rv, r, local_size) for r in range(n)]
+    results: list[Any] = [None] * n
+    errors: list[BaseException | None] = [None] * n
+
+    def worker(r: int) -> None:
+        try:
+            results[r] = fn(comms[r])
+        except CollectiveError as e:
+            errors[r] = e
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            errors[r] = e
+            rv._barrier.abort()  # the others fail now instead of waiting for the timeout
+
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 4)
+    if any(t.is_alive() for t in threads):
+        raise CollectiveError(f"a simulated rank is still running after {timeout * 4} s")
+    own = [e for e in errors if e is not None and not isinstance(e, CollectiveError)]
+    if own:
+        raise own[0]
+    collective = [e for e in errors if e is not None]
+    if collective:
+        raise collective[0]
+    return results, comms
