@@ -30,7 +30,8 @@ broadcast           ``nbytes`` on the root, 0 elsewhere
 permute             ``nbytes`` per pair ``(rank, dst)`` with ``dst != rank``
 ==================  ==================================================
 
-This file shares no code with bagua_x (only the ReduceOp names it is called with).
+This file shares no code with bagua_x (only the ReduceOp and Feature names it is called with, and
+:func:`flat_layout`, the BucketLayout of a bucket holding one 1-D array).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from bagua_x.core.comm import ReduceOp
+from bagua_x.core.bucket import BucketLayout
+from bagua_x.core.comm import Feature, ReduceOp
 
 
 class CollectiveError(RuntimeError):
@@ -120,6 +122,10 @@ class SimulatedCommunicator:
     def size(self) -> int:
         return self._rv.size
 
+    @property
+    def features(self) -> frozenset:
+        return frozenset()
+
     def __repr__(self) -> str:
         return f"SimulatedCommunicator(rank={self._rank}, size={self.size})"
 
@@ -132,7 +138,6 @@ class SimulatedCommunicator:
 
     def _collective(self, op: str, x, extra: tuple, nbytes_factor: float) -> list[np.ndarray]:
         x = np.array(x, copy=True)  # the sender's array as it was at the call
-        n = self.size
         self.sent.append(Sent(op, x.dtype, x.shape, nbytes_factor * x.nbytes, x))
         return self._rv.exchange(self._rank, (op, x.dtype.str, x.shape, extra), x)
 
@@ -191,6 +196,10 @@ class HierarchicalSimulatedCommunicator(SimulatedCommunicator):
         super().__init__(rendezvous, rank)
         self.local_size = local_size
 
+    @property
+    def features(self) -> frozenset:
+        return frozenset({Feature.HIERARCHICAL})
+
     def hierarchical_allreduce(self, x, op: ReduceOp = ReduceOp.SUM):
         arrays = self._collective("hierarchical_allreduce", x, (op, self.local_size), 0.0)
         local = self.local_size
@@ -239,3 +248,9 @@ def run(n: int, fn: Callable[[SimulatedCommunicator], Any], timeout: float = 5.0
     if collective:
         raise collective[0]
     return results, comms
+
+
+def flat_layout(x_or_numel, dtype: str = "float32") -> BucketLayout:
+    """The layout of a bucket holding one 1-D tensor: ``x``'s length, or ``numel`` elements."""
+    numel = x_or_numel if isinstance(x_or_numel, int) else len(x_or_numel)
+    return BucketLayout(["x"], [(numel,)], dtype)

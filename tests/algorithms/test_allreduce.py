@@ -6,7 +6,7 @@ import pytest
 import reference as ref
 from bagua_x.algorithms import GradientAllReduce, Phase, Target
 from bagua_x.algorithms.base import ring_allreduce_bytes
-from simulated import run
+from simulated import flat_layout, run
 
 SIZES = [2, 3, 4, 8]
 STEPS = 3
@@ -24,10 +24,10 @@ def test_matches_reference_over_steps(n, average):
     assert alg.hierarchical is False  # flat by default
 
     def job(c):
-        state = alg.init(grads(n, 0)[c.rank], n)
+        state = alg.init(grads(n, 0)[c.rank], flat_layout(grads(n, 0)[c.rank]), n)
         outs = []
         for t in range(STEPS):
-            flat, state = alg.reduce(grads(n, t)[c.rank].copy(), state, c)
+            flat, state = alg.reduce(grads(n, t)[c.rank].copy(), flat_layout(grads(n, t)[c.rank].copy()), state, c)
             outs.append(flat)
         return outs, state
 
@@ -45,19 +45,19 @@ def test_matches_reference_over_steps(n, average):
     for (_, state), c in zip(out, comms):
         assert state == {}
         assert c.ops() == ["allreduce"] * STEPS
-        assert c.bytes_sent() == pytest.approx(STEPS * alg.wire_bytes(1000, 4, n))
+        assert c.bytes_sent() == pytest.approx(STEPS * alg.wire_bytes(flat_layout(1000), 4, n))
 
 
 @pytest.mark.parametrize("average, mean", [(True, True), (False, False)])
 def test_average_flag_selects_mean_or_sum(average, mean):
-    out, _ = run(4, lambda c: GradientAllReduce(average=average).reduce(np.full(3, c.rank + 1.0, np.float32), {}, c)[0])
+    out, _ = run(4, lambda c: GradientAllReduce(average=average).reduce(np.full(3, c.rank + 1.0, np.float32), flat_layout(np.full(3, c.rank + 1.0, np.float32)), {}, c)[0])
     assert all(np.array_equal(o, np.full(3, 2.5 if mean else 10.0)) for o in out)  # 1+2+3+4 = 10, exact
 
 
 @pytest.mark.parametrize("n, local", [(4, 2), (8, 4)])
 def test_hierarchical_uses_the_communicators_two_level_allreduce(n, local):
     alg = GradientAllReduce(hierarchical=True)
-    out, comms = run(n, lambda c: alg.reduce(grads(n, 0)[c.rank].copy(), {}, c)[0], local_size=local)
+    out, comms = run(n, lambda c: alg.reduce(grads(n, 0)[c.rank].copy(), flat_layout(grads(n, 0)[c.rank].copy()), {}, c)[0], local_size=local)
     want = ref.allreduce(grads(n, 0))
     for o, w, c in zip(out, want, comms):
         assert c.ops() == ["hierarchical_allreduce"]
@@ -65,7 +65,7 @@ def test_hierarchical_uses_the_communicators_two_level_allreduce(n, local):
 
 
 def test_hierarchical_without_support_is_one_flat_allreduce():
-    out, comms = run(2, lambda c: GradientAllReduce(hierarchical=True).reduce(np.ones(4, np.float32) * c.rank, {}, c)[0])
+    out, comms = run(2, lambda c: GradientAllReduce(hierarchical=True).reduce(np.ones(4, np.float32) * c.rank, flat_layout(np.ones(4, np.float32) * c.rank), {}, c)[0])
     assert all(c.ops() == ["allreduce"] for c in comms)
     assert all(np.array_equal(o, np.full(4, 0.5)) for o in out)
 
@@ -73,6 +73,6 @@ def test_hierarchical_without_support_is_one_flat_allreduce():
 def test_declarations():
     alg = GradientAllReduce()
     assert (alg.target, alg.phase, alg.donates_input, alg.alignment(8)) == (Target.GRAD, Phase.AFTER_BACKWARD, True, 1)
-    assert alg.init(np.zeros(3, np.float32), 4) == {}
-    assert alg.wire_bytes(1000, 4, 4) == ring_allreduce_bytes(1000, 4, 4) == 2 * 3 / 4 * 4000
+    assert alg.init(np.zeros(3, np.float32), flat_layout(np.zeros(3, np.float32)), 4) == {}
+    assert alg.wire_bytes(flat_layout(1000), 4, 4) == ring_allreduce_bytes(1000, 4, 4) == 2 * 3 / 4 * 4000
     assert alg.hyperparameters() == {"algorithm": "GradientAllReduce", "average": True, "hierarchical": False}

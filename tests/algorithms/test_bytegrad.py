@@ -7,7 +7,7 @@ import reference as ref
 from bagua_x.algorithms import ByteGrad, Phase, Target
 from bagua_x.algorithms.base import compressed_bytes
 from bagua_x.algorithms.bytegrad import compressed_allreduce
-from simulated import run
+from simulated import flat_layout, run
 
 SIZES = [2, 3, 4, 8]
 STEPS = 3
@@ -22,11 +22,11 @@ def grads(n, step, scale=0.05):
 
 def job(alg, n, steps=STEPS, scale=0.05):
     def fn(c):
-        state = alg.init(grads(n, 0, scale)[c.rank], n)
+        state = alg.init(grads(n, 0, scale)[c.rank], flat_layout(grads(n, 0, scale)[c.rank]), n)
         outs = []
         for t in range(steps):
             flat = grads(n, t, scale)[c.rank].copy()
-            result, state = alg.reduce(flat, state, c)
+            result, state = alg.reduce(flat, flat_layout(flat), state, c)
             assert result is flat  # numpy is writable: the result is written over the bucket (donates_input)
             outs.append(result)
         return outs, state
@@ -57,7 +57,7 @@ def test_matches_reference_over_steps(n, average):
 @pytest.mark.parametrize("average", [True, False])
 def test_wire_is_uint8_codes_of_the_reference(n, average):
     xs = grads(n, 0)
-    out, comms = run(n, lambda c: ByteGrad(average=average).reduce(xs[c.rank].copy(), {}, c)[0])
+    out, comms = run(n, lambda c: ByteGrad(average=average).reduce(xs[c.rank].copy(), flat_layout(xs[c.rank].copy()), {}, c)[0])
     own = []  # the chunk each rank reduced, as the reference computes it before re-quantising
     for r in range(n):
         s = np.sum([ref.roundtrip(np.split(x, n)[r]) for x in xs], axis=0, dtype=np.float32)
@@ -78,7 +78,7 @@ def test_wire_is_uint8_codes_of_the_reference(n, average):
         q, mn, mx = ref.quantize(own[r])
         assert np.array_equal(gather.data[:CHUNK], q)
         assert np.array_equal(gather.data[CHUNK:].view(np.float32), [mn, mx])
-        assert c.bytes_sent() == pytest.approx(ByteGrad().wire_bytes(n * CHUNK, 4, n))
+        assert c.bytes_sent() == pytest.approx(ByteGrad().wire_bytes(flat_layout(n * CHUNK), 4, n))
         assert c.bytes_sent() == pytest.approx(2 * (n - 1) * (CHUNK + 8))  # vs 8 (n-1) CHUNK for float32
     for r, chunk in enumerate(np.split(out[0], n)):
         assert len(np.unique(chunk)) <= 256  # the result is quantised: one of 256 levels per chunk
@@ -119,8 +119,8 @@ def test_declarations():
     alg = ByteGrad()
     assert (alg.target, alg.phase, alg.donates_input) == (Target.GRAD, Phase.AFTER_BACKWARD, True)
     assert [alg.alignment(n) for n in SIZES] == SIZES
-    assert alg.init(np.zeros(4, np.float32), 4) == {}
-    assert alg.wire_bytes(4000, 4, 4) == compressed_bytes(4000, 4) == 2 * 3 * (1000 + 8)
+    assert alg.init(np.zeros(4, np.float32), flat_layout(np.zeros(4, np.float32)), 4) == {}
+    assert alg.wire_bytes(flat_layout(4000), 4, 4) == compressed_bytes(4000, 4) == 2 * 3 * (1000 + 8)
 
 
 def test_read_only_bucket_gets_a_new_array():
@@ -129,7 +129,7 @@ def test_read_only_bucket_gets_a_new_array():
     def fn(c):
         flat = xs[c.rank].copy()
         flat.flags.writeable = False
-        return ByteGrad().reduce(flat, {}, c)[0], flat
+        return ByteGrad().reduce(flat, flat_layout(flat), {}, c)[0], flat
     out, _ = run(2, fn)
     for result, flat in out:
         assert result is not flat and np.abs(result - ref.bytegrad(xs)[0]).max() <= 1e-7  # seen 0

@@ -7,7 +7,7 @@ import reference as ref
 from bagua_x.algorithms import Decentralized, Phase, Target
 from bagua_x.algorithms.decentralized import shift_one_pairs, shift_one_peer
 from bagua_x.core import BaguaXError
-from simulated import run
+from simulated import flat_layout, run
 
 NUMEL = 500
 STEPS = 7
@@ -23,10 +23,10 @@ def simulate(alg, n):
     """Each rank: x += noise, reduce; returns per-rank lists of x after every step and the states."""
     def fn(c):
         x = noise(n, -1)[c.rank]
-        state = alg.init(x, n)
+        state = alg.init(x, flat_layout(x), n)
         xs, steps = [], []
         for t in range(STEPS):
-            x, state = alg.reduce(x + noise(n, t)[c.rank], state, c)
+            x, state = alg.reduce(x + noise(n, t)[c.rank], flat_layout(x + noise(n, t)[c.rank]), state, c)
             xs.append(x)
             steps.append(state["step"])
         return xs, steps
@@ -62,7 +62,7 @@ def test_matches_reference_over_steps(mode, n, interval):
     communications = len(range(0, STEPS, interval))  # steps 0, interval, 2 interval, ...
     for c in comms:
         assert c.ops() == ["allreduce" if mode == "all" else "permute"] * communications
-        assert c.bytes_sent() == pytest.approx(communications * interval * alg.wire_bytes(NUMEL, 4, n))
+        assert c.bytes_sent() == pytest.approx(communications * interval * alg.wire_bytes(flat_layout(NUMEL), 4, n))
 
 
 @pytest.mark.parametrize("n", [2, 4, 6, 8])
@@ -89,8 +89,8 @@ def test_shift_one_peer_formula():
 def test_shift_one_refuses_an_odd_number_of_ranks(n):
     alg = Decentralized(peer_selection_mode="shift_one")
     with pytest.raises(BaguaXError, match=rf"even number of ranks.*got {n}.*peer_selection_mode='all' instead"):
-        alg.init(np.zeros(4, np.float32), n)
-    assert Decentralized().init(np.zeros(4, np.float32), n)["step"] == 0  # "all" takes any N
+        alg.init(np.zeros(4, np.float32), flat_layout(np.zeros(4, np.float32)), n)
+    assert Decentralized().init(np.zeros(4, np.float32), flat_layout(np.zeros(4, np.float32)), n)["step"] == 0  # "all" takes any N
 
 
 def test_refuses_bad_settings():
@@ -106,6 +106,6 @@ def test_declarations():
     assert (all_.peer_selection_mode, all_.communication_interval) == ("all", 1)
     assert (all_.target, all_.phase) == (Target.WEIGHT, Phase.BEFORE_FORWARD)
     assert all_.donates_input is True and shift.donates_input is False  # shift_one reads x after the exchange
-    assert all_.wire_bytes(1000, 4, 4) == 2 * 3 / 4 * 4000
-    assert Decentralized("all", 2).wire_bytes(1000, 4, 4) == 2 * 3 / 4 * 4000 / 2
-    assert shift.wire_bytes(1000, 4, 4) == 4000 / 4
+    assert all_.wire_bytes(flat_layout(1000), 4, 4) == 2 * 3 / 4 * 4000
+    assert Decentralized("all", 2).wire_bytes(flat_layout(1000), 4, 4) == 2 * 3 / 4 * 4000 / 2
+    assert shift.wire_bytes(flat_layout(1000), 4, 4) == 4000 / 4

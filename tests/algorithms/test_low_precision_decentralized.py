@@ -6,7 +6,7 @@ import pytest
 import reference as ref
 from bagua_x.algorithms import LowPrecisionDecentralized, Phase, Target
 from bagua_x.core import BaguaXError
-from simulated import run
+from simulated import flat_layout, run
 
 SIZES = [2, 3, 4, 8]
 NUMEL = 2000
@@ -27,13 +27,13 @@ def noise(n, step):
 def simulate(alg, n):
     def fn(c):
         x = start(n)[c.rank]
-        state = alg.init(x, n)
+        state = alg.init(x, flat_layout(x), n)
         assert int(state["step"]) == 0
         for key in ("w", "left", "right"):  # copies of x, not x itself
             assert np.array_equal(state[key], x) and state[key] is not x and state[key].dtype == np.float32
         history = []
         for t in range(STEPS):
-            x, state = alg.reduce(x + noise(n, t)[c.rank], state, c)
+            x, state = alg.reduce(x + noise(n, t)[c.rank], flat_layout(x + noise(n, t)[c.rank]), state, c)
             history.append((x, {k: np.copy(v) for k, v in state.items()}))
         return history
     return run(n, fn)
@@ -68,7 +68,7 @@ def test_matches_reference_over_steps(n, interval):
         # uint8: NUMEL codes then min and max (float32), to the right neighbour, then to the left one
         for s in c.sent:
             assert s.dtype == np.uint8 and s.shape == (1, NUMEL + 8)
-        assert c.bytes_sent() == pytest.approx(exchanges * interval * alg.wire_bytes(NUMEL, 4, n))
+        assert c.bytes_sent() == pytest.approx(exchanges * interval * alg.wire_bytes(flat_layout(NUMEL), 4, n))
         assert c.bytes_sent() == pytest.approx(exchanges * 2 * (NUMEL + 8))
 
 
@@ -101,13 +101,13 @@ def test_refuses_bad_interval_and_declarations():
     alg = LowPrecisionDecentralized()
     assert alg.communication_interval == 1
     assert (alg.target, alg.phase, alg.donates_input) == (Target.WEIGHT, Phase.AFTER_STEP, False)
-    assert alg.wire_bytes(1000, 4, 4) == 2 * 1008
-    assert LowPrecisionDecentralized(4).wire_bytes(1000, 4, 4) == 2 * 1008 / 4
+    assert alg.wire_bytes(flat_layout(1000), 4, 4) == 2 * 1008
+    assert LowPrecisionDecentralized(4).wire_bytes(flat_layout(1000), 4, 4) == 2 * 1008 / 4
 
 
 def test_float64_weights_keep_their_dtype():
     xs = [x.astype(np.float64) for x in start(2)]
     alg = LowPrecisionDecentralized()
-    out, _ = run(2, lambda c: alg.reduce(xs[c.rank], alg.init(xs[c.rank], 2), c))
+    out, _ = run(2, lambda c: alg.reduce(xs[c.rank], flat_layout(xs[c.rank]), alg.init(xs[c.rank], flat_layout(xs[c.rank]), 2), c))
     for x, state in out:
         assert x.dtype == np.float64 and state["w"].dtype == np.float32

@@ -7,7 +7,7 @@ import reference as ref
 from bagua_x.algorithms import AsyncModelAverage, ModelAverage, Phase, Target
 from bagua_x.algorithms.model_average import async_average_delta
 from bagua_x.core import BaguaXError
-from simulated import run
+from simulated import flat_layout, run
 
 SIZES = [2, 3, 4, 8]
 NUMEL = 500
@@ -26,10 +26,10 @@ def test_matches_reference_over_steps(n, period):
 
     def fn(c):
         x = noise(n, -1)[c.rank]
-        state = alg.init(x, n)
+        state = alg.init(x, flat_layout(x), n)
         xs, steps = [], []
         for t in range(STEPS):
-            x, state = alg.reduce(x + noise(n, t)[c.rank], state, c)
+            x, state = alg.reduce(x + noise(n, t)[c.rank], flat_layout(x + noise(n, t)[c.rank]), state, c)
             xs.append(x)
             steps.append(state["step"])
         return xs, steps
@@ -52,14 +52,14 @@ def test_matches_reference_over_steps(n, period):
     averaged = STEPS // period  # after steps period, 2 period, ...
     for c in comms:
         assert c.ops() == ["allreduce"] * averaged
-        assert c.bytes_sent() == pytest.approx(averaged * period * alg.wire_bytes(NUMEL, 4, n))
+        assert c.bytes_sent() == pytest.approx(averaged * period * alg.wire_bytes(flat_layout(NUMEL), 4, n))
 
 
 def test_first_average_after_period_steps():
     def fn(c):
-        state = ModelAverage(period=2).init(np.zeros(2, np.float32), 2)
-        first, state = ModelAverage(period=2).reduce(np.full(2, c.rank, np.float32), state, c)
-        second, state = ModelAverage(period=2).reduce(np.full(2, c.rank, np.float32), state, c)
+        state = ModelAverage(period=2).init(np.zeros(2, np.float32), flat_layout(np.zeros(2, np.float32)), 2)
+        first, state = ModelAverage(period=2).reduce(np.full(2, c.rank, np.float32), flat_layout(np.full(2, c.rank, np.float32)), state, c)
+        second, state = ModelAverage(period=2).reduce(np.full(2, c.rank, np.float32), flat_layout(np.full(2, c.rank, np.float32)), state, c)
         return first, second
     out, _ = run(2, fn)
     assert [list(f) for f, _ in out] == [[0, 0], [1, 1]]  # step 1: kept
@@ -69,7 +69,7 @@ def test_first_average_after_period_steps():
 @pytest.mark.parametrize("n", SIZES)
 def test_async_delta_and_reduce(n):
     xs = noise(n, 0)
-    out, comms = run(n, lambda c: (async_average_delta(xs[c.rank], c), AsyncModelAverage().reduce(xs[c.rank], {}, c)))
+    out, comms = run(n, lambda c: (async_average_delta(xs[c.rank], c), AsyncModelAverage().reduce(xs[c.rank], flat_layout(xs[c.rank]), {}, c)))
     mean = ref.allreduce(xs)[0]
     for r, (delta, (avg, state)) in enumerate(out):
         # float32 sum / N vs the correctly rounded mean: seen <= 2.4e-7 for both (N = 4, 8; 0 for N = 2)
@@ -85,7 +85,7 @@ def test_refuses_bad_period_and_declarations():
         ModelAverage(period=0)
     alg = ModelAverage(3)
     assert (alg.target, alg.phase, alg.donates_input) == (Target.WEIGHT, Phase.AFTER_STEP, True)
-    assert alg.wire_bytes(1000, 4, 4) == 2 * 3 / 4 * 4000 / 3
+    assert alg.wire_bytes(flat_layout(1000), 4, 4) == 2 * 3 / 4 * 4000 / 3
     assert ModelAverage().period == 1
     a = AsyncModelAverage()
-    assert (a.sync_interval_ms, a.warmup_steps, a.target, a.phase) == (500, 0, Target.WEIGHT, Phase.AFTER_STEP)
+    assert (a.sync_interval_ms, a.warmup_steps, a.target, a.phase) == (500, 0, Target.WEIGHT, Phase.BACKGROUND)

@@ -8,7 +8,7 @@ from bagua_x.algorithms import Phase, QAdam, Target
 from bagua_x.algorithms.base import compressed_bytes
 from bagua_x.algorithms.qadam import adam_direction
 from bagua_x.core import BaguaXError
-from simulated import run
+from simulated import flat_layout, run
 
 SIZES = [2, 3, 4, 8]
 NUMEL = 840  # a multiple of every N (2, 3, 4, 8): the bucket is aligned to the world size
@@ -32,10 +32,10 @@ def simulate(alg, n):
 
     def fn(c):
         p = start()
-        state = alg.init(p, n)
+        state = alg.init(p, flat_layout(p), n)
         history = []
         for t in range(STEPS):
-            update, state = alg.step(gs[t][c.rank], p, state, c)
+            update, state = alg.step(gs[t][c.rank], p, flat_layout(gs[t][c.rank]), state, c)
             p = p + update
             history.append((p, {k: np.copy(v) for k, v in state.items()}))
         return history
@@ -70,19 +70,19 @@ def test_matches_reference_over_steps(n, warmup_steps, weight_decay):
         assert all(s.dtype == np.float32 for s in c.sent[:warm])
         assert all(s.dtype == np.uint8 for s in c.sent[warm:])
         compressed = sum(s.nbytes for s in c.sent[warm:])
-        assert compressed == pytest.approx((STEPS - warm) * alg.wire_bytes(NUMEL, 4, n))
+        assert compressed == pytest.approx((STEPS - warm) * alg.wire_bytes(flat_layout(NUMEL), 4, n))
         assert compressed == pytest.approx((STEPS - warm) * compressed_bytes(NUMEL, n))
 
 
 def test_reduce_is_refused_and_declarations():
     alg = QAdam()
     with pytest.raises(BaguaXError, match=r"^QAdam is an optimizer: use QAdamOptimizer \(torch\) or bagua_x.jax.qadam \(JAX\)$"):
-        alg.reduce(np.zeros(4, np.float32), {}, None)
+        alg.reduce(np.zeros(4, np.float32), flat_layout(np.zeros(4, np.float32)), {}, None)
     assert (alg.lr, alg.warmup_steps, alg.betas, alg.eps, alg.weight_decay) == (1e-3, 100, (0.9, 0.999), 1e-8, 0.0)
     assert (alg.target, alg.phase, alg.donates_input) == (Target.MOMENTUM, Phase.AFTER_BACKWARD, False)
-    assert alg.alignment(8) == 8 and alg.wire_bytes(800, 4, 4) == compressed_bytes(800, 4)
+    assert alg.alignment(8) == 8 and alg.wire_bytes(flat_layout(800), 4, 4) == compressed_bytes(800, 4)
     assert alg.is_warmup(100) and not alg.is_warmup(101)
-    state = alg.init(np.ones(8, np.float32), 4)
+    state = alg.init(np.ones(8, np.float32), flat_layout(np.ones(8, np.float32)), 4)
     assert int(state["step"]) == 0 and np.array_equal(state["m"], np.zeros(8)) and np.array_equal(state["v"], np.zeros(8))
 
 
