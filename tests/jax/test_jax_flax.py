@@ -120,10 +120,13 @@ def test_bytegrad_trains_close_to_pmean(reference, data, mode):
 
 
 def test_example_runs_and_is_in_the_readme():
+    """``python examples/...`` puts examples/ first on sys.path, not the checkout: PYTHONPATH makes the run
+    import this checkout's bagua_x rather than whichever one is installed."""
     code = (ROOT / EXAMPLE).read_text().strip()
     assert code in (ROOT / "README.md").read_text(), f"README.md must include {EXAMPLE} verbatim (update the README)"
     out = subprocess.run([sys.executable, EXAMPLE], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+                         env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                              "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     losses = [float(line.split()[-1]) for line in out.stdout.splitlines() if "loss" in line]
     assert len(losses) == 5 and losses[-1] < losses[0], out.stdout
