@@ -148,3 +148,30 @@ def hook_error_reaches_backward():
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def ddp_keywords_rename(steps=3):
+    """The same DDP keywords given to DDP and to wrap(): the same training (BatchNorm: buffers broadcast)."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bagua_x.torch as bxt
+
+    rank, _ = init()
+    kwargs = dict(device_ids=None, output_device=None, broadcast_buffers=True, bucket_cap_mb=None,
+                  find_unused_parameters=True, gradient_as_bucket_view=True, static_graph=False)
+
+    def model():
+        torch.manual_seed(rank)  # different weights per rank: both must start from rank 0's
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 8))
+
+    batches = _batches(rank, steps)
+    ddp, wrapped = DDP(model(), **kwargs), bxt.wrap(model(), **kwargs)
+    wrapped_static = bxt.wrap(model(), **{**kwargs, "static_graph": True, "find_unused_parameters": False,
+                                          "device_ids": ["cpu"], "output_device": torch.device("cpu")})
+    out = {name: _train(m, torch.optim.SGD(m.parameters(), lr=0.1), batches)
+           for name, m in (("ddp", ddp), ("wrap", wrapped), ("wrap_static", wrapped_static))}
+    out["buffers"] = {name: [b.numpy().copy() for b in m.module.buffers()]
+                      for name, m in (("ddp", ddp), ("wrap", wrapped))}
+    return out
