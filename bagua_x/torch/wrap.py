@@ -188,8 +188,9 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     bagua_x always makes gradients views of the bucket buffers (True); False is
     refused, as there is no second gradient copy to give.  ``static_graph``:
     accepted and changes nothing -- bagua_x fixes its buckets at wrap (what the
-    flag lets DDP do after its first step); parameters that get no gradient
-    still need ``find_unused_parameters=True``.
+    flag lets DDP do after its first step) and reentrant activation
+    checkpointing works either way; parameters that get no gradient still
+    need ``find_unused_parameters=True``.
     """
     if not isinstance(model, torch.nn.Module):
         raise BaguaXError(f"wrap() expects a torch.nn.Module, got {type(model).__name__}")

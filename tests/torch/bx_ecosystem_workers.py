@@ -175,3 +175,29 @@ def ddp_keywords_rename(steps=3):
     out["buffers"] = {name: [b.numpy().copy() for b in m.module.buffers()]
                       for name, m in (("ddp", ddp), ("wrap", wrapped))}
     return out
+
+
+def static_graph_reentrant_checkpoint(steps=3):
+    """What users turn static_graph on for: reentrant activation checkpointing. DDP and wrap, same training."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.checkpoint import checkpoint
+
+    import bagua_x.torch as bxt
+
+    rank, _ = init()
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.b(checkpoint(lambda t: torch.relu(self.a(t)), x, use_reentrant=True))
+
+    batches = [(x.requires_grad_(), y) for x, y in _batches(rank, steps)]  # reentrant checkpoint needs an input grad
+    return {name: _train(m, torch.optim.SGD(m.parameters(), lr=0.1), batches)
+            for name, m in (("ddp", DDP(Checkpointed(), static_graph=True)),
+                            ("wrap", bxt.wrap(Checkpointed(), static_graph=True)))}

@@ -61,3 +61,12 @@ def test_same_keywords_same_training_as_ddp():
             np.testing.assert_allclose(w, d, rtol=0, atol=1e-6)
     for a, b in zip(out[0]["wrap"][-1], out[1]["wrap"][-1]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_static_graph_with_reentrant_checkpointing_as_ddp():
+    for r in run_workers("bx_ecosystem_workers:static_graph_reentrant_checkpoint", nproc=2, timeout=120, env=ENV):
+        assert len(r["wrap"]) == len(r["ddp"]) == 3
+        for step_w, step_d in zip(r["wrap"], r["ddp"]):
+            assert len(step_w) == len(step_d) == 4
+            for w, d in zip(step_w, step_d):
+                np.testing.assert_allclose(w, d, rtol=0, atol=1e-6)  # 0.0 seen
