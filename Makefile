@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[torch,jax,test,demo,flax]'
+	$(PY) -m pip install -q -e '.[torch,jax,test,demo,flax,lightning]'
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -45,16 +45,21 @@ fresh store keys).  ``check_finite=True`` raises on NaN/inf communicated
 values, naming the tensor.  Bad models (complex or sparse-gradient
 parameters, parameters on several devices) are refused at wrap().
 
+Inside stock DDP: ``ddp.register_comm_hook(CommHookState(ByteGrad()), comm_hook)``
+runs a gradient algorithm as DDP's communication hook (:mod:`bagua_x.torch.comm_hook`).
+
 ``bagua_x.torch.enable_bagua_api()`` adds Bagua's tensor methods
 (``ensure_bagua_tensor`` ...) to ``torch.Tensor``; see :mod:`bagua_x.torch.bagua_compat`.
 """
 
 from . import kernels
 from .bagua_compat import enable_bagua_api
+from .comm_hook import CommHookState, comm_hook
 from .communicator import TorchCommunicator
 from .qadam import QAdamOptimizer
 from .wrap import DistributedModel, wrap
 
 kernels.install()
 
-__all__ = ["wrap", "DistributedModel", "TorchCommunicator", "QAdamOptimizer", "enable_bagua_api"]
+__all__ = ["wrap", "DistributedModel", "TorchCommunicator", "QAdamOptimizer", "enable_bagua_api",
+           "CommHookState", "comm_hook"]

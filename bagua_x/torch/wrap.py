@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from ..core.errors import BaguaXError
 from .async_average import AsyncAverageEngine
 from .checks import input_problem
 from .communicator import TorchCommunicator
+from .ddp_args import check_ddp_arguments
 from .distributed import broadcast_tensors, check_same_model, ensure_initialized
 from .grad_sync import GradientEngine
 from .qadam import MomentumEngine, QAdamOptimizer
@@ -146,9 +147,11 @@ class DistributedModel(torch.nn.Module):
 
 def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
          algorithm: Optional[Algorithm] = None, process_group: Optional[dist.ProcessGroup] = None,
-         bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
+         bucket_cap_mb: Optional[float] = 25.0, find_unused_parameters: bool = False,
          broadcast_buffers: bool = True, timeout: Union[None, float, datetime.timedelta] = None,
-         check_finite: bool = False) -> DistributedModel:
+         check_finite: bool = False, device_ids: Optional[Sequence[Union[int, str, torch.device]]] = None,
+         output_device: Union[None, int, str, torch.device] = None, gradient_as_bucket_view: bool = True,
+         static_graph: bool = False) -> DistributedModel:
     """Make ``model`` data parallel with ``algorithm``.
 
     The default is GradientAllReduce (what DDP does), or QAdam when ``optimizer``
@@ -169,9 +172,26 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     restart from a checkpoint.  ``check_finite=True`` raises when a
     communicated value (gradient, weight or QAdam momentum) is NaN or infinite
     after the reduction, naming the tensor, on every rank at the same step.
+
+    DDP's keywords, so ``DDP(model, ...)`` -> ``wrap(model, ...)`` is a rename
+    (checked before any communication; a BaguaXError says why one does not apply):
+    ``process_group``, ``find_unused_parameters``, ``broadcast_buffers`` and
+    ``bucket_cap_mb`` (``None``: DDP's 25) as in DDP.  ``device_ids``: ``None``
+    or ``[the parameters' device]`` (an int is an index on that device type);
+    several devices are refused (one process per device).  ``output_device``:
+    ``None`` or that device; outputs stay where the model puts them, and inputs
+    are not moved: pass them on the model's device.  ``gradient_as_bucket_view``:
+    bagua_x always makes gradients views of the bucket buffers (True); False is
+    refused, as there is no second gradient copy to give.  ``static_graph``:
+    accepted and changes nothing -- bagua_x fixes its buckets at wrap (what the
+    flag lets DDP do after its first step) and reentrant activation
+    checkpointing works either way; parameters that get no gradient still
+    need ``find_unused_parameters=True``.
     """
     if not isinstance(model, torch.nn.Module):
         raise BaguaXError(f"wrap() expects a torch.nn.Module, got {type(model).__name__}")
+    bucket_cap_mb = check_ddp_arguments(model, optimizer, device_ids, output_device, gradient_as_bucket_view,
+                                        bucket_cap_mb)
     ensure_initialized(model)
     if algorithm is None:
         algorithm = optimizer.algorithm if isinstance(optimizer, QAdamOptimizer) else GradientAllReduce()

@@ -1,0 +1,72 @@
+"""DDP's keywords in wrap(): honoured (same training as DDP given the same keywords) or refused before any
+collective with the reason."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import bagua_x.torch as bxt
+from bagua_x.core import BaguaXError
+from launch import run_workers
+
+ENV = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """Refusals must come before wrap() looks for torch.distributed: without a launcher it would say so."""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(device_ids=[0]), "device_ids\\[0\\]=0: the model is on the CPU"),
+    (dict(device_ids=["cpu", "cpu"]), "one process per device"),
+    (dict(device_ids=["meta"]), "device_ids\\[0\\]='meta', but the model's parameters are on cpu.*device_ids=None"),
+    (dict(output_device=1), "output_device=1: the model is on the CPU"),
+    (dict(output_device="cuda:1"), "output_device='cuda:1', but the model's parameters are on cpu.*output_device=None"),
+    (dict(gradient_as_bucket_view=False), "gradient_as_bucket_view=False: bagua_x never keeps a second copy"),
+], ids=["index_on_cpu", "several_devices", "other_device", "output_index_on_cpu", "output_elsewhere",
+        "no_bucket_view"])
+def test_refused_with_reason_before_any_collective(no_launcher, kwargs, message):
+    with pytest.raises(BaguaXError, match=message):
+        bxt.wrap(torch.nn.Linear(2, 2), **kwargs)
+
+
+def test_positional_device_ids_is_caught(no_launcher):
+    with pytest.raises(BaguaXError, match="second positional argument is the optimizer.*device_ids=\\[...\\]"):
+        bxt.wrap(torch.nn.Linear(2, 2), [0])
+
+
+def test_accepted_keywords_reach_the_launcher_check(no_launcher):
+    """Keywords bagua_x honours pass the check: wrap() goes on and asks for a launcher."""
+    with pytest.raises(BaguaXError, match="torchrun"):
+        bxt.wrap(torch.nn.Linear(2, 2), device_ids=[torch.device("cpu")], output_device="cpu",
+                 gradient_as_bucket_view=True, static_graph=True, bucket_cap_mb=None)
+
+
+def test_same_keywords_same_training_as_ddp():
+    out = run_workers("bx_ecosystem_workers:ddp_keywords_rename", nproc=2, timeout=120, env=ENV)
+    for r in out:
+        for name in ("wrap", "wrap_static"):
+            assert len(r[name]) == len(r["ddp"]) == 3
+            for step_w, step_d in zip(r[name], r["ddp"]):
+                assert len(step_w) == len(step_d) == 6
+                for w, d in zip(step_w, step_d):
+                    np.testing.assert_allclose(w, d, rtol=0, atol=1e-6)
+        assert len(r["buffers"]["wrap"]) == len(r["buffers"]["ddp"]) == 3
+        for w, d in zip(r["buffers"]["wrap"], r["buffers"]["ddp"]):
+            np.testing.assert_allclose(w, d, rtol=0, atol=1e-6)
+    for a, b in zip(out[0]["wrap"][-1], out[1]["wrap"][-1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_static_graph_with_reentrant_checkpointing_as_ddp():
+    for r in run_workers("bx_ecosystem_workers:static_graph_reentrant_checkpoint", nproc=2, timeout=120, env=ENV):
+        assert len(r["wrap"]) == len(r["ddp"]) == 3
+        for step_w, step_d in zip(r["wrap"], r["ddp"]):
+            assert len(step_w) == len(step_d) == 4
+            for w, d in zip(step_w, step_d):
+                np.testing.assert_allclose(w, d, rtol=0, atol=1e-6)  # 0.0 seen
