@@ -6,9 +6,10 @@ from .bytegrad import ByteGrad
 from .decentralized import Decentralized
 from .low_precision_decentralized import LowPrecisionDecentralized
 from .model_average import AsyncModelAverage, ModelAverage
+from .powersgd import PowerSGD
 from .qadam import QAdam
 
 __all__ = [
     "Algorithm", "Target", "Phase", "GradientAllReduce", "ByteGrad", "Decentralized",
-    "LowPrecisionDecentralized", "ModelAverage", "AsyncModelAverage", "QAdam",
+    "LowPrecisionDecentralized", "ModelAverage", "AsyncModelAverage", "QAdam", "PowerSGD",
 ]

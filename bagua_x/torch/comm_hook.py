@@ -36,31 +36,30 @@ import torch
 import torch.distributed as dist
 
 from ..algorithms.base import Algorithm, Phase, Target
+from ..core.bucket import BucketLayout
+from ..core.comm import Feature
 from ..core.errors import BaguaXError
 from .communicator import TorchCommunicator
+from .grad_sync import run_reduce
 
 __all__ = ["CommHookState", "comm_hook"]
 
 log = logging.getLogger(__name__)
 
 
-def apply_algorithm(algorithm: Algorithm, flat: torch.Tensor, state: Optional[dict],
+def apply_algorithm(algorithm: Algorithm, flat: torch.Tensor, layout: BucketLayout, state: Optional[dict],
                     comm: TorchCommunicator) -> dict:
-    """``flat <- algorithm.reduce(flat)`` in place, building the state first if ``state`` is None.
-
-    The one place this module calls the algorithm, so a change of the algorithm
-    interface (e.g. a bucket layout argument) is adapted here only.
-    """
+    """``flat <- algorithm.reduce(flat)`` in place, building the state first if ``state`` is None."""
     if state is None:
-        state = algorithm.init(flat, comm.size)
-    if algorithm.donates_input:
-        with comm.donate(flat):
-            out, state = algorithm.reduce(flat, state, comm)
-    else:
-        out, state = algorithm.reduce(flat, state, comm)
-    if out is not flat:
-        flat.copy_(out)
-    return state
+        state = algorithm.init(flat, layout, comm.size)
+    return run_reduce(algorithm, flat, layout, state, comm)
+
+
+def bucket_layout(bucket: dist.GradBucket, alignment: int) -> BucketLayout:
+    """The layout of a DDP bucket: its gradients back to back, named by bucket and position (DDP keeps no names)."""
+    grads = bucket.gradients()
+    return BucketLayout([f"bucket {bucket.index()} tensor {i}" for i in range(len(grads))],
+                        [tuple(g.shape) for g in grads], str(bucket.buffer().dtype).replace("torch.", ""), alignment)
 
 
 def _check_fits_a_hook(algorithm: Algorithm) -> None:
@@ -71,9 +70,7 @@ def _check_fits_a_hook(algorithm: Algorithm) -> None:
             "sees gradient buckets during backward; use bagua_x.torch.wrap(model, optimizer, algorithm=...) "
             "instead of DDP for it"
         )
-    if "torch" not in algorithm.frameworks:
-        raise BaguaXError(f"{name} does not run on torch; choose a gradient algorithm such as ByteGrad")
-    if algorithm.hyperparameters().get("hierarchical"):
+    if Feature.HIERARCHICAL in algorithm.uses:
         raise BaguaXError(
             f"{name}(hierarchical=True) needs bagua_x.torch.wrap's node process groups, which a DDP comm hook "
             "does not have; pass hierarchical=False, or use bagua_x.torch.wrap"
@@ -102,21 +99,20 @@ class CommHookState:
     def submit(self, bucket: dist.GradBucket) -> "torch.futures.Future[torch.Tensor]":
         """Queue ``bucket`` on the communication thread; the future gets its reduced buffer."""
         fut = torch.futures.Future()
-        buffer = bucket.buffer()
-        self._thread.submit(self._reduce, bucket.index(), buffer, fut)
+        layout = bucket_layout(bucket, self.algorithm.alignment(self.comm.size))
+        self._thread.submit(self._reduce, bucket.index(), bucket.buffer(), layout, fut)
         return fut
 
-    def _reduce(self, index: int, buffer: torch.Tensor, fut: torch.futures.Future) -> None:
+    def _reduce(self, index: int, buffer: torch.Tensor, layout: BucketLayout, fut: torch.futures.Future) -> None:
         try:
-            align = self.algorithm.alignment(self.comm.size)
-            padded = -buffer.numel() % align
+            padded = layout.padded_numel - buffer.numel()
             flat = torch.cat([buffer, buffer.new_zeros(padded)]) if padded else buffer
             numel, state = self.buckets.get(index, (flat.numel(), None))
             if numel != flat.numel():  # DDP rebuilt its buckets (after its first step, in gradient order)
                 log.info("bagua_x comm hook: bucket %d changed size (%d -> %d elements); new algorithm state",
                          index, numel, flat.numel())
                 state = None
-            self.buckets[index] = (flat.numel(), apply_algorithm(self.algorithm, flat, state, self.comm))
+            self.buckets[index] = (flat.numel(), apply_algorithm(self.algorithm, flat, layout, state, self.comm))
             if padded:
                 buffer.copy_(flat[:buffer.numel()])
             fut.set_result(buffer)

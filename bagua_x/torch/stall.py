@@ -5,12 +5,15 @@ collective, which cannot say who is missing: it is what is stuck.  Each rank
 counts in memory how many times it has launched each bucket (no store traffic
 per step: on hundreds of ranks a store write per bucket per step would swamp
 the rank hosting the store).  Only when a wait has failed or timed out does a
-rank raise an *alarm* in the torch.distributed store.  Every rank keeps one
-thread blocked on the next alarm key over a connection of its own (a clone of
-the store client, so nothing else waits behind it); it answers an alarm with
-its counters, even while its training thread is stuck or idle.  The alarmed
-rank waits briefly for the answers and names the ranks that are behind on the
-stuck bucket, or that did not answer at all (dead or frozen).
+rank raise an *alarm* in the torch.distributed store: it wakes every rank's
+responder.  Each rank keeps one thread blocked on its next wake-up key over a
+connection of its own (a clone of the store client, so nothing else waits
+behind it); it answers an alarm with its counters, even while its training
+thread is stuck or idle.  The alarmed rank waits briefly for the answers and
+names the ranks that are behind on the stuck bucket, or that did not answer
+at all (dead or frozen).  At interpreter exit the responder is woken with a
+stop and joined: a thread left blocked in C++ while Python finalises would
+abort the process ("terminate called without an active exception").
 
 Keys carry torchrun's restart count, so a restarted job never reads the
 previous attempt's alarms.  Answers are JSON (``core.wire``), checked on arrival.
@@ -18,6 +21,7 @@ previous attempt's alarms.  Answers are JSON (``core.wire``), checked on arrival
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import logging
@@ -63,34 +67,55 @@ class _Counters:
     def ensure_responder(self) -> None:
         with self._lock:
             if self._responder is None or not self._responder.is_alive():
-                store = c10d._get_default_store().clone()  # its own connection: its blocking wait delays nobody
-                self._responder = threading.Thread(target=self._answer_alarms, args=(store, dist.get_rank()),
+                rank, default = dist.get_rank(), c10d._get_default_store()
+                # connections of its own: the responder's blocking wait delays nobody, and the stop at exit
+                # does not queue behind that wait
+                store, control = default.clone(), default.clone()
+                self._responder = threading.Thread(target=self._answer_alarms, args=(store, rank),
                                                    name="bagua_x-stall-responder", daemon=True)
                 self._responder.start()
+                atexit.register(_stop_responder, self._responder, control, rank)
 
     def _answer_alarms(self, store, rank: int) -> None:
-        alarm = 1
+        wake = 1
         while True:
             try:
-                store.wait([_alarm_key(alarm)], datetime.timedelta(days=1))
+                store.wait([_wake_key(rank, wake)], datetime.timedelta(days=1))
+                message = store.get(_wake_key(rank, wake))
             except Exception:  # noqa: BLE001 -- a long wait expired, or the store has gone
                 try:
-                    store.check([_alarm_key(alarm)])
+                    store.check([_wake_key(rank, wake)])
                 except Exception:  # noqa: BLE001 -- the job is over (or its store host died): stop answering
                     return
                 continue
+            wake += 1
+            if message == b"stop":
+                return
             try:
-                store.set(_answer_key(alarm, rank), encode(self.snapshot()))
+                store.set(_answer_key(int(message), rank), encode(self.snapshot()))
             except Exception as e:  # noqa: BLE001 -- diagnostics must never break training
-                log.debug("bagua_x: could not answer stall alarm %d: %s", alarm, e)
-            alarm += 1
+                log.debug("bagua_x: could not answer stall alarm %r: %s", message, e)
 
 
 _COUNTERS = _Counters()
 
 
-def _alarm_key(n: int) -> str:
-    return f"bagua_x/stall/{restart_count()}/alarm/{n}"
+def _wake_key(rank: int, k: int) -> str:
+    """The ``k``-th wake-up of ``rank``'s responder (an alarm number, or ``stop``)."""
+    return f"bagua_x/stall/{restart_count()}/wake/{rank}/{k}"
+
+
+def _wake(store, rank: int, message: bytes) -> None:
+    k = store.add(f"bagua_x/stall/{restart_count()}/wakes/{rank}", 1)
+    store.set(_wake_key(rank, k), message)
+
+
+def _stop_responder(thread: threading.Thread, control, rank: int) -> None:
+    try:
+        _wake(control, rank, b"stop")
+    except Exception:  # noqa: BLE001 -- the store is gone, and with it the responder's wait
+        pass
+    thread.join(timeout=5)
 
 
 def _answer_key(n: int, rank: int) -> str:
@@ -110,7 +135,8 @@ def collect_counts(ranks: list[int]) -> dict[int, Optional[dict[str, int]]]:
     """Raise an alarm; every rank's counters that arrive within ``ANSWER_SECONDS`` (None: no answer)."""
     store = c10d._get_default_store()
     alarm = store.add(f"bagua_x/stall/{restart_count()}/alarms", 1)
-    store.set(_alarm_key(alarm), b"1")
+    for r in ranks:
+        _wake(store, r, str(alarm).encode())
     keys = [_answer_key(alarm, r) for r in ranks]
     try:
         store.wait(keys, datetime.timedelta(seconds=ANSWER_SECONDS))

@@ -124,3 +124,50 @@ def qadam(param, grads, lr, warmup_steps, betas=(0.9, 0.999), eps=1e-8, weight_d
         p = p - lr / (1 - b1**t) * m / (np.sqrt(v) / np.sqrt(1 - b2**t) + eps)
         history.append(p.astype(np.float32))
     return history
+
+
+# -- PowerSGD ----------------------------------------------------------------------------------------
+
+def _orthonormal(a):
+    """Orthonormal columns spanning ``a``'s, as Gram-Schmidt gives them: QR with a positive R diagonal."""
+    q, r = np.linalg.qr(a)
+    return q * np.where(np.diag(r) < 0, -1.0, 1.0)
+
+
+def powersgd(steps, shapes, rank=1, start=0, min_rate=2.0, error_feedback=True, warm_start=True, seed=0):
+    """Every rank's bucket after each step.  ``steps[t][r]`` is rank r's flat bucket (the tensors of
+    ``shapes`` back to back, then any padding) at step t; torch's powerSGD_hook, all ranks simulated."""
+    n_ranks = len(steps[0])
+    tensors, offset = [], 0  # (offset, numel, rows, cols, rank) with rank 0: not compressed
+    for shape in shapes:
+        numel = int(np.prod(shape))
+        rows, cols = (shape[0], numel // shape[0]) if len(shape) >= 2 else (0, 0)
+        r = min(rows, cols, rank)
+        compressed = rows > 0 and (rows + cols) * r * min_rate < rows * cols
+        tensors.append((offset, numel, rows, cols, r if compressed else 0))
+        offset += numel
+    rng = np.random.default_rng(seed)
+    initial = {t[0]: rng.standard_normal(t[3] * t[4]).reshape(t[3], t[4]) for t in tensors if t[4]}
+    qs = dict(initial)
+    errors = [np.zeros(len(steps[0][0])) for _ in range(n_ranks)]
+    outs = []
+    for t, xs in enumerate(steps):
+        xs = [np.asarray(x, np.float64) for x in xs]
+        if t < start:
+            outs.append([np.mean(xs, axis=0)] * n_ranks)
+            continue
+        gs = [x + e for x, e in zip(xs, errors)] if error_feedback else xs
+        out = np.mean(gs, axis=0)  # the uncompressed tensors and the padding
+        for off, numel, rows, cols, r in tensors:
+            if not r:
+                continue
+            ms = [g[off : off + numel].reshape(rows, cols) for g in gs]
+            q = _orthonormal(qs[off] if warm_start else initial[off])
+            p = _orthonormal(sum(m @ q for m in ms))
+            q = np.mean([m.T @ p for m in ms], axis=0)
+            out[off : off + numel] = (p @ q.T).reshape(-1)
+            qs[off] = q
+        if error_feedback:
+            errors = [g - out for g in gs]
+        outs.append([out] * n_ranks)
+    return outs

@@ -121,3 +121,19 @@ def test_crafted_pickle_from_the_network_is_refused(tmp_path):
     assert "rank 1's description" in r0["wrap"] and "not bagua_x's JSON" in r0["wrap"], r0["wrap"]
     assert "rank 1's description" in r0["store"] and "not bagua_x's JSON" in r0["store"], r0["store"]
     assert not marker.exists()
+
+
+def test_ranks_exit_cleanly_when_the_store_host_leaves_first():
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(here, "bx_clean_exit.py")]
+    done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}, cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "terminate called" not in output, output[-4000:]
+    assert "rank 0 done" in output and "rank 1 done" in output, output[-4000:]
