@@ -13,14 +13,18 @@ moment); here step ``warmup_steps`` is an ordinary Adam step.  Bagua declares
 ``weight_decay`` but ignores it; here it is Adam's L2 term.
 
 The pieces are Array API functions so both frontends share them: JAX runs
-:meth:`QAdam.step` on flat buckets inside its optax transformation; torch
-updates each parameter's ``exp_avg`` in the backward hook and communicates it
-through the bucket (the optimizer state is the effective tensor).
+:meth:`QAdam.step` (moments, exchange and update) on flat buckets inside
+``dp.optimizer()``; torch's QAdamOptimizer keeps the moments itself, updates
+each parameter's ``exp_avg`` in the backward hook and communicates it through
+the bucket with :meth:`QAdam.reduce` (the optimizer state is the effective
+tensor), like any other algorithm's bucket.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+from array_api_compat import is_writeable_array
 
 from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
@@ -107,4 +111,7 @@ class QAdam(Algorithm):
         return update, {"step": t, "m": m, "v": v}
 
     def reduce(self, flat, layout, state, comm):
-        raise BaguaXError("QAdam is an optimizer: use QAdamOptimizer (torch) or bagua_x.jax.qadam (JAX)")
+        """After warmup: the momentum bucket ``flat`` averaged 8-bit (ByteGrad's exchange), for a frontend whose
+        optimizer keeps the moments itself (torch's QAdamOptimizer updates ``exp_avg`` and steps)."""
+        out = flat if is_writeable_array(flat) else None
+        return compressed_allreduce(flat, comm, average=True, out=out), state

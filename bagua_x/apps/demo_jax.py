@@ -42,7 +42,7 @@ def train(algo_name: str, steps: int, batch: int, lr: float, seed: int, coordina
     algorithm = make(algo_name, steps)
     dp = bxj.wrap(params, algorithm=algorithm, axis_name="batch")
     if isinstance(algorithm, QAdam):
-        tx = dp.qadam()
+        tx = dp.optimizer()
     else:
         tx = optax.sgd(lr, momentum=0.9)
     sync_first = algorithm.phase == Phase.BEFORE_FORWARD

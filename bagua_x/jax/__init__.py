@@ -9,7 +9,7 @@
 
 Weight algorithms (Decentralized, LowPrecisionDecentralized, ModelAverage) use
 ``params, state = dp.sync_params(params, state)`` at the point their
-``phase`` names; QAdam is an optimizer, ``dp.qadam()``.  Under
+``phase`` names; QAdam is an optimizer, ``dp.optimizer()``.  Under
 ``jax.shard_map`` pass ``mesh`` to ``replicate``/``init`` (see :mod:`.placement`).
 
 Faults: ``wrap(..., timeout=s, check_finite=True)`` with the step called as
@@ -26,7 +26,7 @@ step, so save its leaves with the params' and the optimizer state's (e.g.
 ``np.savez`` of ``jax.tree.leaves((params, opt_state, state))``, this
 process's rows) and restore with the structure of a fresh
 ``(dp.replicate(params), dp.replicate(tx.init(params)), dp.init())``: training
-continues bitwise as if never stopped, QAdam (``dp.qadam()``) included.
+continues bitwise as if never stopped, QAdam (``dp.optimizer()``) included.
 """
 
 from .communicator import AxisCommunicator

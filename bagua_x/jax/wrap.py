@@ -189,7 +189,7 @@ class DataParallel:
         import optax
 
         if self.algorithm.target is not Target.GRAD:
-            instead = "dp.qadam() as the optimizer" if self.algorithm.target is Target.MOMENTUM else (
+            instead = "dp.optimizer() as the optimizer" if self.algorithm.target is Target.MOMENTUM else (
                 f"params, state = dp.sync_params(params, state) in the step ({self.algorithm.phase.value})")
             raise BaguaXError(
                 f"dp.gradient_transformation(): {self.algorithm!r} communicates {self.algorithm.target.value}s, not "
@@ -202,22 +202,29 @@ class DataParallel:
 
         return optax.GradientTransformation(lambda params: self.init_state(), update)
 
-    def qadam(self):
-        """QAdam as an ``optax.GradientTransformation`` (use it as the whole optimizer).
+    def optimizer(self):
+        """The algorithm as the whole optimizer, an ``optax.GradientTransformation``, for algorithms that
+        communicate the optimizer's momentum (``Target.MOMENTUM``: QAdam).
 
-        Its state is the per-bucket momentum and variance, initialised from the
-        params passed to ``init``; ``update(grads, state, params)`` communicates
-        (allreduced gradients in warmup, then 8-bit compressed momentum), so
-        call it inside the pmapped / shard_mapped step.
+        Its state is the algorithm's per-bucket state (QAdam: step, momentum,
+        variance), built by ``init(params)``; ``update(grads, state, params)``
+        runs the algorithm's ``step`` on each bucket (QAdam: allreduced
+        gradients in warmup, then 8-bit compressed momentum), so call it
+        inside the pmapped / shard_mapped step.
         """
         import optax
 
         algorithm = self.algorithm
         if algorithm.target is not Target.MOMENTUM:
-            raise BaguaXError(f"dp.qadam() needs wrap(..., algorithm=QAdam(...)), but this wrap uses {algorithm!r}")
+            raise BaguaXError(
+                f"dp.optimizer() is for algorithms that communicate the optimizer's momentum (QAdam), but this wrap "
+                f"uses {algorithm!r}, which communicates {algorithm.target.value}s; use "
+                f"{'dp.gradient_transformation()' if algorithm.target is Target.GRAD else 'dp.sync_params'} "
+                "with a plain optax optimizer"
+            )
 
         def init(params):
-            leaves = self._leaves(params, "qadam init")
+            leaves = self._leaves(params, "optimizer init")
             return tuple(
                 algorithm.init(jnp.zeros((layout.padded_numel,), leaves[bucket[0]].dtype), layout, self.world_size)
                 for bucket, layout in zip(self.buckets, self.layouts)
@@ -225,8 +232,9 @@ class DataParallel:
 
         def update(grads, state, params=None):
             if params is None:
-                raise BaguaXError("dp.qadam(): call update(grads, state, params); QAdam needs the params")
-            return self._run(algorithm.step, [grads, params], state, "qadam update")
+                raise BaguaXError(f"dp.optimizer(): call update(grads, state, params); {type(algorithm).__name__} "
+                                  "needs the params")
+            return self._run(algorithm.step, [grads, params], state, "optimizer update")
 
         return optax.GradientTransformation(init, update)
 

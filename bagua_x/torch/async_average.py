@@ -39,6 +39,7 @@ from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
 from .buckets import build_buckets, register_parameters
 from .communicator import TorchCommunicator
+from .engine import EngineOptions
 from .grad_sync import GradientEngine
 
 __all__ = ["AsyncAverageEngine"]
@@ -48,8 +49,8 @@ log = logging.getLogger(__name__)
 
 class AsyncAverageEngine:
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: AsyncModelAverage,
-                 comm: TorchCommunicator, bucket_cap_mb: float, optimizer: Optional[torch.optim.Optimizer],
-                 find_unused_parameters: bool, check_finite: bool = False):
+                 comm: TorchCommunicator, *, options: EngineOptions):
+        optimizer = options.optimizer
         if optimizer is None:
             raise BaguaXError(
                 "AsyncModelAverage locks the weights during optimizer.step(), so wrap() needs the optimizer: "
@@ -60,11 +61,11 @@ class AsyncAverageEngine:
         # its own group: never interleaves with others
         self.comm = TorchCommunicator(dist.new_group(ranks), timeout=comm.timeout)
         tensors = register_parameters(named_params, Target.WEIGHT)
-        self.buckets: list[Bucket] = build_buckets(tensors, algorithm, self.comm.size, bucket_cap_mb, "weight_bucket_")
+        self.buckets: list[Bucket] = build_buckets(tensors, algorithm, self.comm.size, options.bucket_cap_mb,
+                                                   "weight_bucket_")
         self._warmup: Optional[GradientEngine] = None
         if algorithm.warmup_steps > 0:
-            self._warmup = GradientEngine(named_params, GradientAllReduce(), comm, bucket_cap_mb,
-                                          find_unused_parameters, check_finite)
+            self._warmup = GradientEngine(named_params, GradientAllReduce(), comm, options=options)
         self._enabled = True
         self.steps = 0
         self.rounds = 0  # averaging rounds completed (for logs and tests)

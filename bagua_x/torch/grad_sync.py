@@ -33,6 +33,7 @@ from ..core.tensor import RegisteredTensor
 from .buckets import build_buckets, load_states, register_parameters, state_dict_of
 from .checks import check_dense_grad, check_finite, non_finite_tensors
 from .communicator import TorchCommunicator
+from .engine import EngineOptions
 from .runtime import BackwardHooks, CommWorker
 from .stall import StallInspector
 
@@ -80,15 +81,14 @@ class GradientEngine:
     """Runs a gradient algorithm on bucketed ``p.grad`` during backward."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: Algorithm,
-                 comm: TorchCommunicator, bucket_cap_mb: float, find_unused_parameters: bool,
-                 check_finite: bool = False):
+                 comm: TorchCommunicator, *, options: EngineOptions):
         assert algorithm.target is Target.GRAD
-        self.algorithm, self.comm, self.find_unused = algorithm, comm, find_unused_parameters
-        self.check_finite = check_finite
+        self.algorithm, self.comm, self.find_unused = algorithm, comm, options.find_unused_parameters
+        self.check_finite = options.check_finite
         tensors = register_parameters(named_params, Target.GRAD)
         self._tensors, self._index = tensors, {t.name: i for i, t in enumerate(tensors)}
-        self.buckets: list[Bucket] = build_buckets(tensors, algorithm, comm.size, bucket_cap_mb, "grad_bucket_",
-                                                   make=_grad_bucket)
+        self.buckets: list[Bucket] = build_buckets(tensors, algorithm, comm.size, options.bucket_cap_mb,
+                                                   "grad_bucket_", make=_grad_bucket)
         self.states = [algorithm.init(b.buffer, b.layout, comm.size) for b in self.buckets]
         self.enabled = True  # False inside no_sync()
         self._dispatcher = BucketDispatcher(self.buckets, self._launch)

@@ -26,7 +26,6 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from ..algorithms import GradientAllReduce, QAdam
-from ..algorithms.bytegrad import compressed_allreduce
 from ..algorithms.qadam import adam_direction, adam_moments, momentum_update
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
@@ -34,8 +33,8 @@ from ..core.readiness import BucketDispatcher
 from ..core.tensor import RegisteredTensor, TensorRegistry
 from .buckets import build_buckets
 from .communicator import TorchCommunicator
-from .grad_sync import GradientEngine
-from .checks import check_finite, non_finite_tensors
+from .engine import EngineOptions
+from .grad_sync import GradientEngine, reduce_bucket
 from .distributed import check_same_buckets
 from .runtime import BackwardHooks, CommWorker
 from .stall import StallInspector
@@ -100,8 +99,8 @@ class MomentumEngine:
     """Gradient allreduce during warmup, then compressed momentum buckets (see module docstring)."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: QAdam,
-                 comm: TorchCommunicator, bucket_cap_mb: float, optimizer: Optional[torch.optim.Optimizer],
-                 find_unused_parameters: bool, check_finite: bool = False):
+                 comm: TorchCommunicator, *, options: EngineOptions):
+        optimizer = options.optimizer
         if not isinstance(optimizer, QAdamOptimizer):
             raise BaguaXError(
                 "QAdam communicates the optimizer's momentum, so wrap() needs the QAdamOptimizer: "
@@ -112,15 +111,15 @@ class MomentumEngine:
                 f"algorithm {algorithm} differs from the optimizer's {optimizer.algorithm}; "
                 "pass algorithm=None (or optimizer.algorithm) to use the optimizer's settings"
             )
-        self.algorithm, self.comm, self.optimizer = algorithm, comm, optimizer
-        self._named, self._cap, self._find_unused = list(named_params), bucket_cap_mb, find_unused_parameters
-        self.check_finite = check_finite
+        self.algorithm, self.comm, self.optimizer, self.options = algorithm, comm, optimizer, options
+        self._named, self._cap, self._find_unused = list(named_params), options.bucket_cap_mb, \
+            options.find_unused_parameters
+        self.check_finite = options.check_finite
         self._grad_engine: Optional[GradientEngine] = None
         self._momentum_ready = False
         self.enabled = True
         if optimizer.in_warmup:
-            self._grad_engine = GradientEngine(self._named, GradientAllReduce(), comm, bucket_cap_mb,
-                                               find_unused_parameters, check_finite)
+            self._grad_engine = GradientEngine(self._named, GradientAllReduce(), comm, options=options)
         else:
             self._build_momentum_buckets()
 
@@ -144,8 +143,7 @@ class MomentumEngine:
             log.info("bagua_x QAdam: optimizer back in warmup at step %d; communicating gradients again",
                      self.optimizer.step_id)
             self._close_momentum()
-            self._grad_engine = GradientEngine(self._named, GradientAllReduce(), self.comm, self._cap,
-                                               self._find_unused, self.check_finite)
+            self._grad_engine = GradientEngine(self._named, GradientAllReduce(), self.comm, options=self.options)
         if self._grad_engine is not None:
             self._grad_engine.enabled = self.enabled
             if warmup:
@@ -195,11 +193,8 @@ class MomentumEngine:
         self._worker.submit(f"QAdam momentum on {bucket.name}", lambda: self._reduce(bucket), bucket)
 
     def _reduce(self, bucket: Bucket) -> None:
-        bucket.ensure_flattened()
-        local_bad = non_finite_tensors(bucket, bucket.buffer) if self.check_finite else []
-        compressed_allreduce(bucket.buffer, self.comm, average=True, out=bucket.buffer)
-        if self.check_finite:
-            check_finite(bucket, bucket.buffer, local_bad, "momentum")
+        bucket.ensure_flattened()  # QAdam.reduce keeps no state here: the optimizer holds the moments
+        reduce_bucket(self.algorithm, bucket, bucket.buffer, {}, self.comm, self.check_finite, "momentum")
 
     def _finish(self) -> None:
         try:

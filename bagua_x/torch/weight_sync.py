@@ -30,6 +30,7 @@ from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from .buckets import build_buckets, load_states, register_parameters, state_dict_of
 from .communicator import TorchCommunicator
+from .engine import EngineOptions
 from .grad_sync import reduce_bucket
 from .runtime import BackwardHooks, CommWorker
 from .stall import StallInspector
@@ -43,12 +44,13 @@ class WeightEngine:
     """Runs a weight algorithm before forward (finished after backward) or after each optimizer step."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: Algorithm,
-                 comm: TorchCommunicator, bucket_cap_mb: float, optimizer: Optional[torch.optim.Optimizer],
-                 check_finite: bool = False):
+                 comm: TorchCommunicator, *, options: EngineOptions):
         assert algorithm.target is Target.WEIGHT
-        self.algorithm, self.comm, self.check_finite = algorithm, comm, check_finite
+        self.algorithm, self.comm, self.check_finite = algorithm, comm, options.check_finite
+        optimizer = options.optimizer
         tensors = register_parameters(named_params, Target.WEIGHT)
-        self.buckets: list[Bucket] = build_buckets(tensors, algorithm, comm.size, bucket_cap_mb, "weight_bucket_")
+        self.buckets: list[Bucket] = build_buckets(tensors, algorithm, comm.size, options.bucket_cap_mb,
+                                                   "weight_bucket_")
         with torch.no_grad():
             for b in self.buckets:
                 b.flatten()

@@ -26,6 +26,7 @@ from .checks import input_problem
 from .communicator import TorchCommunicator
 from .ddp_args import check_ddp_arguments
 from .distributed import broadcast_tensors, check_same_model, ensure_initialized
+from .engine import Engine, EngineOptions
 from .grad_sync import GradientEngine
 from .qadam import MomentumEngine, QAdamOptimizer
 from .watchdog import resolve_timeout
@@ -65,18 +66,10 @@ class DistributedModel(torch.nn.Module):
         broadcast_tensors([*module.parameters(), *module.buffers()], process_group, timeout=self.timeout)
         self._buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
         self._sync_buffers_next = True
-        named = list(module.named_parameters())
-        if algorithm.phase is Phase.BACKGROUND:
-            self._engine = AsyncAverageEngine(named, algorithm, self.comm, bucket_cap_mb, optimizer,
-                                              find_unused_parameters, check_finite)
-        elif algorithm.target is Target.GRAD:
-            self._engine = GradientEngine(named, algorithm, self.comm, bucket_cap_mb, find_unused_parameters,
-                                          check_finite)
-        elif algorithm.target is Target.WEIGHT:
-            self._engine = WeightEngine(named, algorithm, self.comm, bucket_cap_mb, optimizer, check_finite)
-        else:  # Target.MOMENTUM: the optimizer's first moment (QAdam)
-            self._engine = MomentumEngine(named, algorithm, self.comm, bucket_cap_mb, optimizer,
-                                          find_unused_parameters, check_finite)
+        options = EngineOptions(bucket_cap_mb=bucket_cap_mb, optimizer=optimizer,
+                                find_unused_parameters=find_unused_parameters, check_finite=check_finite)
+        self._engine: Engine = _engine_class(algorithm)(list(module.named_parameters()), algorithm, self.comm,
+                                                          options=options)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -143,6 +136,13 @@ class DistributedModel(torch.nn.Module):
     def shutdown(self) -> None:
         """Remove hooks and stop background threads (the model stays usable, unsynchronised)."""
         self._engine.close()
+
+
+def _engine_class(algorithm: Algorithm) -> type:
+    """The engine for what the algorithm declares it communicates (``target``) and when (``phase``)."""
+    if algorithm.phase is Phase.BACKGROUND:
+        return AsyncAverageEngine
+    return {Target.GRAD: GradientEngine, Target.WEIGHT: WeightEngine, Target.MOMENTUM: MomentumEngine}[algorithm.target]
 
 
 def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,

@@ -74,10 +74,18 @@ def test_matches_reference_over_steps(n, warmup_steps, weight_decay):
         assert compressed == pytest.approx((STEPS - warm) * compressed_bytes(NUMEL, n))
 
 
-def test_reduce_is_refused_and_declarations():
+def test_reduce_is_the_momentum_exchange_and_declarations():
+    """QAdam.reduce (torch's path: the optimizer keeps the moments) averages a momentum bucket as ByteGrad does."""
     alg = QAdam()
-    with pytest.raises(BaguaXError, match=r"^QAdam is an optimizer: use QAdamOptimizer \(torch\) or bagua_x.jax.qadam \(JAX\)$"):
-        alg.reduce(np.zeros(4, np.float32), flat_layout(np.zeros(4, np.float32)), {}, None)
+    xs = [np.random.default_rng(r).standard_normal(400).astype(np.float32) for r in range(4)]
+    out, comms = run(4, lambda c: alg.reduce(xs[c.rank].copy(), flat_layout(400), {"kept": 1}, c))
+    assert len(out) == 4
+    for o in out:
+        assert o[1] == {"kept": 1}  # no state of its own on this path
+        np.testing.assert_array_equal(o[0], out[0][0])
+        # seen: 3.6e-7 (float32 rounding of the dequantisation); a quantisation step here is ~0.03
+        np.testing.assert_allclose(o[0], ref.bytegrad(xs, True)[0], rtol=0, atol=5e-7)
+    assert comms[0].ops() == ["alltoall", "allgather"]
     assert (alg.lr, alg.warmup_steps, alg.betas, alg.eps, alg.weight_decay) == (1e-3, 100, (0.9, 0.999), 1e-8, 0.0)
     assert (alg.target, alg.phase, alg.donates_input) == (Target.MOMENTUM, Phase.AFTER_BACKWARD, False)
     assert alg.alignment(8) == 8 and alg.wire_bytes(flat_layout(800), 4, 4) == compressed_bytes(800, 4)

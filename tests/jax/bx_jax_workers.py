@@ -76,7 +76,7 @@ def training_step(dp, lr: float, chain: bool = False, traces: list | None = None
 
     Gradient algorithms: reduce_gradients then adam, or (``chain``)
     ``optax.chain(dp.gradient_transformation(), adam)``; weight algorithms:
-    sync_params where their phase says; QAdam: ``dp.qadam()`` as the optimizer.
+    sync_params where their phase says; QAdam: ``dp.optimizer()`` as the optimizer.
     """
     import jax
     import optax
@@ -84,7 +84,7 @@ def training_step(dp, lr: float, chain: bool = False, traces: list | None = None
     from bagua_x.algorithms import Phase, QAdam
 
     if isinstance(dp.algorithm, QAdam):
-        tx = dp.qadam()
+        tx = dp.optimizer()
     else:
         tx = optax.chain(dp.gradient_transformation(), optax.adam(lr)) if chain else optax.adam(lr)
     sync_first = dp.algorithm.phase is Phase.BEFORE_FORWARD

@@ -77,7 +77,7 @@ def test_unbound_axis_names_the_axis():
         reduce_under_pmap(dp, per_device(params()))
 
 
-@pytest.mark.parametrize("algorithm, instead", [(Decentralized(), "dp.sync_params"), (QAdam(lr=0.1), "dp.qadam()")],
+@pytest.mark.parametrize("algorithm, instead", [(Decentralized(), "dp.sync_params"), (QAdam(lr=0.1), "dp.optimizer()")],
                          ids=["weight", "momentum"])
 def test_gradient_transformation_without_gradients_to_communicate_is_refused(algorithm, instead):
     dp = wrap(params(), algorithm=algorithm)

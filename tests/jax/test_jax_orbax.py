@@ -2,7 +2,7 @@
 ``ocp.CheckpointManager`` and restored into a fresh wrap with other initial params continue bitwise identically
 to an uninterrupted run (pmap over 4 CPU devices, and over 2 processes), for the algorithms whose state carries
 the training: LowPrecisionDecentralized (its weight copies w, left, right in the bagua_x state) and QAdam
-(momentum and variance in ``dp.qadam()``'s optimizer state)."""
+(momentum and variance in ``dp.optimizer()``'s optimizer state)."""
 
 import os
 

@@ -72,10 +72,11 @@ def hook_vs_wrap(algorithm_name, odd, steps=4):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bagua_x.torch as bxt
-    from bagua_x.algorithms import ByteGrad, GradientAllReduce
+    from bagua_x.algorithms import ByteGrad, GradientAllReduce, PowerSGD
 
     rank, _ = init()
-    make = {"ByteGrad": ByteGrad, "GradientAllReduce": GradientAllReduce}[algorithm_name]
+    make = {"ByteGrad": ByteGrad, "GradientAllReduce": GradientAllReduce,
+            "PowerSGD": lambda: PowerSGD(start_powerSGD_iter=1)}[algorithm_name]
     batches = _batches(rank, steps)
 
     hooked = DDP(_model(odd), bucket_cap_mb=1000)

@@ -42,6 +42,16 @@ def test_allreduce_hook_equals_wrap():
         assert r["calls"] == [("allreduce", "float32", r["numel"])] * 4
 
 
+def test_powersgd_hook_equals_wrap_and_sends_the_factors():
+    """PowerSGD through the hook: the DDP bucket's layout (one 7 x 10 matrix) reaches the algorithm."""
+    out = run_workers("bx_ecosystem_workers:hook_vs_wrap", nproc=2, args=("PowerSGD", False), timeout=120, env=ENV)
+    for r in out:
+        _assert_same_steps(r["hook"], r["wrap"])  # bitwise: same bucket, same seeded Q
+        # one plain step, then per step the rank-1 factors: P (7 x 1) summed, Q (10 x 1) averaged
+        assert r["calls"] == [("allreduce", "float32", 70)] + [("allreduce", "float32", 7),
+                                                                ("allreduce", "float32", 10)] * 3, r["calls"]
+
+
 def test_hook_on_many_buckets_equals_ddp():
     out = run_workers("bx_ecosystem_workers:hook_many_buckets", nproc=2, timeout=120, env=ENV)
     for r in out:

@@ -1,0 +1,63 @@
+"""What every torch engine offers the wrapper, and the options they all take.
+
+An engine runs one algorithm on a model's parameters: it registers the tensor
+the algorithm communicates (gradient, weight or optimizer momentum), buckets
+it, and hooks backward or the optimizer step.  The wrapper
+(:class:`~bagua_x.torch.wrap.DistributedModel`) picks the engine from the
+algorithm's declared ``target`` and ``phase`` and then only talks to it
+through :class:`Engine`: once per forward ``settle()`` (communication still in
+flight ends, so the wrapper may use the process group) and
+``before_forward()``; ``enabled`` is False inside ``no_sync()``.
+
+=====================  ==================================  ========================================
+engine                 algorithms                          communicates
+=====================  ==================================  ========================================
+``GradientEngine``     target GRAD                          gradients, during backward
+``WeightEngine``       target WEIGHT                        weights, at forward or after the step
+``MomentumEngine``     target MOMENTUM (QAdam)              gradients in warmup, then ``exp_avg``
+``AsyncAverageEngine`` phase BACKGROUND (AsyncModelAverage) weights, on a thread of its own
+=====================  ==================================  ========================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Protocol
+
+import torch
+
+from ..core.bucket import Bucket
+
+__all__ = ["Engine", "EngineOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """wrap()'s settings that engines use (each reads the ones that concern it)."""
+
+    bucket_cap_mb: float = 25.0
+    optimizer: Optional[torch.optim.Optimizer] = None
+    find_unused_parameters: bool = False
+    check_finite: bool = False
+
+
+class Engine(Protocol):
+    enabled: bool  # False inside no_sync()
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The core buckets the algorithm runs on."""
+
+    def settle(self) -> None:
+        """End communication still in flight from an earlier step (before the wrapper uses the process group)."""
+
+    def before_forward(self) -> None:
+        """Start what the algorithm does at forward (Decentralized's exchange, QAdam's switch at warmup's end)."""
+
+    def state_dict(self) -> dict:
+        """Per-bucket algorithm state, copied."""
+
+    def load_state_dict(self, saved: dict) -> None: ...
+
+    def close(self) -> None:
+        """Remove hooks and stop threads; the model stays usable, unsynchronised."""
