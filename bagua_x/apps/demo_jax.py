@@ -10,19 +10,29 @@ def train(algo_name: str, steps: int, batch: int, lr: float, seed: int, coordina
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # one device per process
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
+
+    import bagua_x.jax as bxj
+
+    from .quiet import without_gloo_lines
+
+    with without_gloo_lines():  # gloo says from C++ each time processes connect
+        bxj.init_distributed(coordinator_address=f"127.0.0.1:{coordinator_port}")
+        return _train(algo_name, steps, batch, lr, seed, jax.process_index(), jax.process_count())
+
+
+def _train(algo_name, steps, batch, lr, seed, rank, world) -> dict:
+    import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
     from tqdm import tqdm
 
     import bagua_x.jax as bxj
-    from bagua_x.algorithms import Phase, QAdam
+    from bagua_x.algorithms import Phase, Target
 
     from .algorithms import make
     from .data import load_digits_split, rank_batches
 
-    bxj.init_distributed(coordinator_address=f"127.0.0.1:{coordinator_port}")
-    rank, world = jax.process_index(), jax.process_count()
     x_tr, y_tr, x_te, y_te = load_digits_split(seed)
 
     def init(key):
@@ -41,7 +51,7 @@ def train(algo_name: str, steps: int, batch: int, lr: float, seed: int, coordina
     params = init(jax.random.PRNGKey(seed + rank))  # processes start apart: replicate() broadcasts process 0's
     algorithm = make(algo_name, steps)
     dp = bxj.wrap(params, algorithm=algorithm, axis_name="batch")
-    if isinstance(algorithm, QAdam):
+    if algorithm.target is Target.MOMENTUM:
         tx = dp.optimizer()
     else:
         tx = optax.sgd(lr, momentum=0.9)
