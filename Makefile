@@ -23,8 +23,8 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/bagua-x bench
 
-# Mutation testing of bagua_x/algorithms and bagua_x/core (core/nccl.py excluded) against the fast
-# tests (tests/algorithms, tests/core without test_core_nccl.py); configured in pyproject's
+# Mutation testing of bagua_x/algorithms and bagua_x/core against the fast
+# tests (tests/algorithms, tests/core); configured in pyproject's
 # [tool.mutmut], results kept in ./mutants (a rerun only retests what changed). Not part of `test`.
 mutation: $(STAMP)
 	$(PY) -m pip install -q -e '.[mutation]'

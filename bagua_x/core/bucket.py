@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 
 import array_api_compat
 
-from .dlpack import buffer_info, check_writable
+from .dlpack import buffer_info, check_writable, numel
 from .errors import BaguaXError
 from .tensor import RegisteredTensor
 
@@ -36,13 +36,6 @@ class Slot:
     numel: int
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
 class BucketLayout:
     """Offsets of named tensors of one dtype in a flat buffer, padded to ``alignment`` elements."""
 
@@ -54,7 +47,7 @@ class BucketLayout:
         slots, offset = [], 0
         for name, shape in zip(names, shapes):
             shape = tuple(int(s) for s in shape)
-            n = _numel(shape)
+            n = numel(shape)
             slots.append(Slot(name, shape, offset, n))
             offset += n
         self.slots: tuple[Slot, ...] = tuple(slots)

@@ -1,4 +1,4 @@
-"""Framework-agnostic reading of DLPack buffers.
+"""Framework-agnostic DLPack: reading any producer's buffers, exporting bagua_x's own.
 
 Core, algorithms and communicators hand buffers around as any object with
 ``__dlpack__`` / ``__dlpack_device__`` (numpy, torch, jax, cupy).  This module
@@ -6,6 +6,12 @@ reads what core needs -- device, dtype, shape, strides, data pointer,
 contiguity -- straight from the DLPack capsule with ``ctypes``, so that no
 framework has to be imported to inspect a buffer.  The capsule is never
 consumed: it is dropped after reading, which lets the producer release it.
+
+The other direction, with the same structures: :class:`DLPackExport` offers
+memory that bagua_x owns (e.g. device memory a communicator allocated for a
+result) to any consumer (``jnp.from_dlpack``, ``torch.from_dlpack``,
+``np.from_dlpack``) without a copy, keeping the memory's owner alive until the
+consumer releases it.
 
 JAX assumes its arrays never change, yet a consumer such as torch can write
 through a DLPack view of one; :func:`check_writable` refuses such writes.
@@ -15,10 +21,14 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 from .errors import BaguaXError
 
-__all__ = ["BufferInfo", "buffer_info", "data_pointer", "is_jax_owned", "check_writable"]
+__all__ = [
+    "BufferInfo", "buffer_info", "data_pointer", "is_jax_owned", "check_writable",
+    "DLPackExport", "DLPACK_DTYPES", "numel", "contiguous_strides",
+]
 
 
 class _DLDevice(ctypes.Structure):
@@ -75,8 +85,26 @@ _DTYPE_NAMES = {
     (5, 64): "complex64", (5, 128): "complex128",
     (6, 8): "bool",
 }
+DLPACK_DTYPES = {name: code_bits for code_bits, name in _DTYPE_NAMES.items()}  # dtype name -> (code, bits)
 _DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan",
                  8: "metal", 10: "rocm", 11: "rocm_host", 13: "cuda_managed", 14: "oneapi"}
+
+
+def numel(shape) -> int:
+    """The number of elements of an array of ``shape``."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """Strides (in elements) of a C-contiguous (row-major) array of ``shape``."""
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= int(s)
+    return tuple(reversed(strides))
 
 
 @dataclass(frozen=True)
@@ -93,10 +121,7 @@ class BufferInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return numel(self.shape)
 
     @property
     def is_contiguous(self) -> bool:
@@ -141,11 +166,7 @@ def buffer_info(x) -> BufferInfo:
     if t.strides:
         strides = tuple(t.strides[i] for i in range(t.ndim))
     else:  # NULL strides mean compact row-major
-        strides, acc = [], 1
-        for s in reversed(shape):
-            strides.append(acc)
-            acc *= s
-        strides = tuple(reversed(strides))
+        strides = contiguous_strides(shape)
     code, bits = t.dtype.code, t.dtype.bits
     dtype = _DTYPE_NAMES.get((code, bits), f"dlpack(code={code},bits={bits})")
     device = f"{_DEVICE_NAMES.get(t.device.device_type, t.device.device_type)}:{t.device.device_id}"
@@ -184,3 +205,85 @@ def check_writable(x, name: str) -> None:
         )
     if hasattr(x, "__dlpack__") and buffer_info(x).read_only:
         raise BaguaXError(f"refusing to write into {name!r}: its producer marked the buffer read-only")
+
+
+# --------------------------------------------------------------------------------------------
+# Export: a DLPack producer for memory bagua_x owns
+# --------------------------------------------------------------------------------------------
+_CAPSULE_NAME = b"dltensor"  # must outlive every capsule: module constant
+_PyCapsule_New = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
+_PyCapsule_IsValid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi))
+_PyCapsule_GetPointerRaw = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
+
+# address of a live DLManagedTensor -> what must stay alive with it (struct, shape, strides, owner)
+_EXPORTED: dict = {}
+
+
+def _release(address) -> None:
+    _EXPORTED.pop(address, None)
+
+
+# The consumer calls the deleter when it is done with the memory (from any thread:
+# ctypes takes the GIL); an unconsumed capsule (still named "dltensor") calls it itself.
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_release)
+
+
+def _capsule_destructor(capsule) -> None:
+    if _PyCapsule_IsValid(capsule, _CAPSULE_NAME):
+        _release(_PyCapsule_GetPointerRaw(capsule, _CAPSULE_NAME))
+
+
+_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_capsule_destructor)
+
+
+class DLPackExport:
+    """Memory at ``ptr`` (C-contiguous ``shape`` of ``dtype``) offered through ``__dlpack__``.
+
+    ``owner`` is kept alive until every consumer has released the capsule, then
+    dropped (for a ``cuda.core`` Buffer, that frees the memory).  The ``stream``
+    argument of ``__dlpack__`` is ignored: the data must be complete when a
+    consumer imports it.  ``device`` is a DLPack ``(device_type, device_id)``,
+    e.g. ``(1, 0)`` for the CPU, ``(2, n)`` for CUDA device ``n``.
+    """
+
+    __slots__ = ("ptr", "shape", "dtype", "device", "owner")
+
+    def __init__(self, ptr: int, shape: Sequence[int], dtype: str, device: tuple, owner: Any):
+        if dtype not in DLPACK_DTYPES:
+            raise BaguaXError(f"cannot export dtype {dtype!r} through DLPack; known: {sorted(DLPACK_DTYPES)}")
+        self.ptr, self.shape, self.dtype = int(ptr), tuple(int(s) for s in shape), dtype
+        self.device, self.owner = (int(device[0]), int(device[1])), owner
+
+    def __dlpack_device__(self):
+        return self.device
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if copy:
+            raise BufferError("bagua_x's DLPack export never copies; call with copy=None or False")
+        if dl_device is not None and (int(dl_device[0]), int(dl_device[1])) != self.device:
+            raise BufferError(f"buffer lives on DLPack device {self.device}, not {tuple(dl_device)}")
+        ndim = len(self.shape)
+        shape = (ctypes.c_int64 * max(ndim, 1))(*self.shape)
+        strides = (ctypes.c_int64 * max(ndim, 1))(*contiguous_strides(self.shape))
+        managed = _DLManagedTensor()
+        t = managed.dl_tensor
+        t.data = self.ptr or None
+        t.device = _DLDevice(*self.device)
+        t.ndim = ndim
+        code, bits = DLPACK_DTYPES[self.dtype]
+        t.dtype = _DLDataType(code, bits, 1)
+        t.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+        t.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
+        t.byte_offset = 0
+        managed.manager_ctx = None
+        managed.deleter = ctypes.cast(_DELETER, ctypes.c_void_p).value
+        address = ctypes.addressof(managed)
+        _EXPORTED[address] = (managed, shape, strides, self.owner)
+        try:
+            return _PyCapsule_New(address, _CAPSULE_NAME, ctypes.cast(_CAPSULE_DESTRUCTOR, ctypes.c_void_p).value)
+        except BaseException:
+            _release(address)
+            raise

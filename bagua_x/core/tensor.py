@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import array_api_compat
 
-from .dlpack import buffer_info, check_writable, data_pointer
+from .dlpack import buffer_info, check_writable, data_pointer, numel
 from .errors import BaguaXError
 
 __all__ = ["RegisteredTensor", "TensorRegistry"]
@@ -90,7 +90,7 @@ class RegisteredTensor:
         t = self.effective()
         xp = _namespace(buffer)
         shape = tuple(t.shape)
-        n = _numel(shape)
+        n = numel(shape)
         check_writable(buffer, f"bucket buffer of {self.name}")
         view = xp.reshape(buffer[offset : offset + n], shape)
         if data_pointer(view) != data_pointer(buffer) + offset * buffer_info(buffer).itemsize:
@@ -117,13 +117,6 @@ class RegisteredTensor:
         if self.bucket is None:
             raise BaguaXError(f"tensor {self.name!r} is not in a bucket yet; build the buckets before marking it ready")
         self.bucket.mark_ready(self)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _detached(t):

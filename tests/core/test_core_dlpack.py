@@ -1,7 +1,11 @@
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
 from bagua_x.core import BaguaXError, buffer_info, check_writable, data_pointer, is_jax_owned
+from bagua_x.core.dlpack import DLPACK_DTYPES, DLPackExport, contiguous_strides, numel
 
 
 def test_numpy_strided_view():
@@ -51,3 +55,73 @@ def test_zero_copy_exchange_between_frameworks():
 def test_non_array_is_rejected():
     with pytest.raises(BaguaXError, match="__dlpack__"):
         buffer_info([1, 2, 3])
+
+
+def test_numel_and_contiguous_strides():
+    assert numel(()) == 1 and numel((3, 4)) == 12 and numel((2, 0, 5)) == 0
+    assert contiguous_strides(()) == () and contiguous_strides((3, 4, 5)) == (20, 5, 1)
+    assert contiguous_strides((3, 4)) == np.zeros((3, 4), np.int8).strides
+
+
+def test_dlpack_codes_agree_with_buffer_info():
+    a = np.zeros(8, dtype=np.uint8)
+    for name in DLPACK_DTYPES:
+        assert buffer_info(DLPackExport(a.ctypes.data, (2,), name, (1, 0), a)).dtype == name
+
+
+# ============================================================================================
+# DLPack export of bagua_x-owned memory
+# ============================================================================================
+class _Owner:
+    def __init__(self, array):
+        self.array = array
+
+
+def test_dlpack_export_is_zero_copy_and_releases_its_owner_numpy():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    owner = _Owner(a)
+    alive = weakref.ref(owner)
+    export = DLPackExport(a.ctypes.data, a.shape, "float32", (1, 0), owner)
+    del owner
+    b = np.from_dlpack(export)
+    del export
+    gc.collect()
+    np.testing.assert_array_equal(b, a)
+    assert b.ctypes.data == a.ctypes.data and alive() is not None
+    del b
+    gc.collect()
+    assert alive() is None
+
+
+def test_dlpack_export_unconsumed_capsule_releases_owner():
+    a = np.ones(4, dtype=np.int32)
+    owner = _Owner(a)
+    alive = weakref.ref(owner)
+    capsule = DLPackExport(a.ctypes.data, a.shape, "int32", (1, 0), owner).__dlpack__()
+    del owner
+    gc.collect()
+    assert alive() is not None
+    del capsule
+    gc.collect()
+    assert alive() is None
+
+
+def test_dlpack_export_to_torch_and_jax_keeps_dtype_and_shape():
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    src = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    t = torch.from_dlpack(DLPackExport(src.data_ptr(), src.shape, "bfloat16", (1, 0), src))
+    assert t.dtype == torch.bfloat16 and t.shape == (2, 3) and torch.equal(t, src)
+    j = jnp.from_dlpack(DLPackExport(src.data_ptr(), src.shape, "bfloat16", (1, 0), src))
+    assert j.dtype == jnp.bfloat16 and j.shape == (2, 3)
+    np.testing.assert_array_equal(np.asarray(j, dtype=np.float32), src.float().numpy())
+    e = np.from_dlpack(DLPackExport(0, (0, 3), "int32", (1, 0), None))
+    assert e.shape == (0, 3)
+
+
+def test_dlpack_export_refuses_copy_and_unknown_dtype():
+    a = np.zeros(2, dtype=np.float32)
+    with pytest.raises(BufferError):
+        DLPackExport(a.ctypes.data, (2,), "float32", (1, 0), a).__dlpack__(copy=True)
+    with pytest.raises(BaguaXError):
+        DLPackExport(a.ctypes.data, (2,), "float8", (1, 0), a)

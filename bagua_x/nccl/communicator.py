@@ -6,7 +6,8 @@ communicator.  Install the binding with ``pip install 'bagua-x[nccl]'``
 (``nccl4py[cu12]``; use ``nccl4py[cu13]`` on CUDA 13).  Nothing here imports
 torch, JAX or nccl4py at module import time: nccl4py is imported in the
 constructor, and a framework only through ``array_api_compat`` for the array
-it was handed.
+it was handed.  It offers no optional :class:`~bagua_x.core.comm.Feature`
+(``features`` is empty: hierarchical algorithms run flat on it).
 
 Buffers.  Inputs are read through their DLPack capsule (:func:`buffer_info`)
 and never written.  Every result is a new array that bagua_x owns:
@@ -16,84 +17,52 @@ and never written.  Every result is a new array that bagua_x owns:
   ``array_api_compat``) and NCCL writes into it through its data pointer;
 * for JAX, whose arrays must never be written, it is device memory allocated
   with ``cuda.core`` (a dependency of nccl4py), filled by NCCL, and handed to
-  JAX through a DLPack capsule that bagua_x produces (``jnp.from_dlpack``, zero
-  copy); the memory is freed when JAX drops the array.
+  JAX through a DLPack capsule that bagua_x produces
+  (:class:`bagua_x.core.dlpack.DLPackExport`, ``jnp.from_dlpack``, zero copy);
+  the memory is freed when JAX drops the array.
 
-Streams.  Collectives are enqueued on ``stream`` (a ``cudaStream_t`` as int, or
-an object with ``__cuda_stream__`` or ``cuda_stream``; default: the legacy
-default stream, 0).  Before reading a buffer, the communicator asks its
-producer to make that stream wait for it through the DLPack stream handshake
-(``x.__dlpack__(stream=...)``: torch records an event on its current stream,
-JAX waits until the array is ready), so inputs made on the producer's stream
-are safe.  The caller must still order what comes *after*: a torch result is
-written on ``stream``, so pass ``torch.cuda.current_stream().cuda_stream`` (or
-keep torch on its default stream) or wait on ``stream`` before using it.  JAX
-results are complete when returned (the communicator synchronizes ``stream``
-before handing memory to JAX, which runs on streams of its own).
+Streams (:mod:`bagua_x.nccl.streams`).  Collectives are enqueued on ``stream``
+(a ``cudaStream_t`` as int, or an object with ``__cuda_stream__`` or
+``cuda_stream``; default: the legacy default stream, 0).  Before reading a
+buffer, the communicator asks its producer to make that stream wait for it
+through the DLPack stream handshake (``x.__dlpack__(stream=...)``: torch records
+an event on its current stream, JAX waits until the array is ready), so inputs
+made on the producer's stream are safe.  The caller must still order what comes
+*after*: a torch result is written on ``stream``, so pass
+``torch.cuda.current_stream().cuda_stream`` (or keep torch on its default
+stream) or wait on ``stream`` before using it.  JAX results are complete when
+returned (the communicator synchronizes ``stream`` before handing memory to
+JAX, which runs on streams of its own).
 
-Rendezvous.  Rank 0 creates the NCCL unique id and publishes it in the job's
-existing key-value store; the others wait for it (:func:`exchange_unique_id`).
-Any object with ``set(key, bytes)`` and ``get(key) -> bytes`` works --
-``torch.distributed.TCPStore`` as it is, JAX's distributed client through
-:func:`jax_kv_store`.
+Rendezvous (:mod:`bagua_x.nccl.rendezvous`): rank 0 creates the NCCL unique id
+and publishes it in the job's existing key-value store; the others wait for it.
 
-Datatypes.  Reductions map the DLPack dtype to NCCL's (:data:`NCCL_REDUCE_DTYPES`);
-complex numbers are summed as pairs of reals, booleans take MIN/MAX as bytes.
-Data movement (allgather, alltoall, broadcast, permute) is dtype-blind: it
-moves bytes, so every dtype works.  ``AVG`` uses ``ncclAvg`` for floating
-point when the loaded NCCL has it (>= 2.10), else ``SUM`` then a division;
-integers are summed then floor-divided, as in the torch communicator.
+Datatypes (:mod:`bagua_x.nccl.datatypes`): reductions map the DLPack dtype to
+NCCL's; data movement moves bytes, so every dtype works.
 """
 
 from __future__ import annotations
 
-import ctypes
-import itertools
 import os
-import time
 from typing import Any, Callable, Optional, Sequence
 
-from .comm import Feature, ReduceOp
-from .dlpack import (
-    _DTYPE_NAMES, BufferInfo, _DLDataType, _DLDevice, _DLManagedTensor, buffer_info, is_jax_owned,
-)
-from .errors import BaguaXError
+from bagua_x.core.comm import Feature, ReduceOp
+from bagua_x.core.dlpack import DLPACK_DTYPES, BufferInfo, DLPackExport, buffer_info, is_jax_owned, numel
+from bagua_x.core.errors import BaguaXError
 
-__all__ = [
-    "NcclCommunicator",
-    "exchange_unique_id",
-    "jax_kv_store",
-    "JaxKeyValueStore",
-    "NCCL_REDUCE_DTYPES",
-    "NCCL_REDUCE_OPS",
-    "UNIQUE_ID_BYTES",
-]
+from .datatypes import BYTES_DTYPE, NCCL_AVG_MIN_VERSION, reduce_plan
+from .rendezvous import exchange_unique_id, next_unique_id_key
+from .streams import dlpack_stream, stream_handle
+
+__all__ = ["NcclCommunicator", "UNIQUE_ID_BYTES", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'bagua-x[nccl]' (nccl4py[cu12]; nccl4py[cu13] on CUDA 13)"
 
 UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId) == NCCL_UNIQUE_ID_BYTES
 
-# DLPack dtype name (as core.dlpack.buffer_info spells it) -> nccl.core.NcclDataType member name.
-NCCL_REDUCE_DTYPES = {
-    "int8": "INT8", "uint8": "UINT8", "int32": "INT32", "uint32": "UINT32",
-    "int64": "INT64", "uint64": "UINT64", "float16": "FLOAT16", "float32": "FLOAT32",
-    "float64": "FLOAT64", "bfloat16": "BFLOAT16",
-}
-# Complex numbers are reduced (SUM/AVG) as twice as many reals of this dtype.
-COMPLEX_AS_REAL = {"complex64": "float32", "complex128": "float64"}
-# bagua_x ReduceOp -> nccl.core.NcclRedOp member name.
-NCCL_REDUCE_OPS = {ReduceOp.SUM: "SUM", ReduceOp.AVG: "AVG", ReduceOp.MIN: "MIN", ReduceOp.MAX: "MAX"}
-# Data movement goes as bytes.
-_BYTES_DTYPE = "UINT8"
-_FLOATING = ("float16", "float32", "float64", "bfloat16")
-_NCCL_AVG_MIN_VERSION = 21000  # ncclAvg appeared in NCCL 2.10.0
-
 _DLPACK_CUDA = 2
 
 
-# --------------------------------------------------------------------------------------------
-# nccl4py import
-# --------------------------------------------------------------------------------------------
 def _import_nccl():
     """``(nccl.core, nccl.bindings.nccl, cuda.core)``, or a BaguaXError saying what to install."""
     try:
@@ -108,231 +77,6 @@ def _import_nccl():
     return nccl_core, nccl_bindings, cuda_core
 
 
-# --------------------------------------------------------------------------------------------
-# streams
-# --------------------------------------------------------------------------------------------
-def stream_handle(stream) -> int:
-    """The ``cudaStream_t`` of ``stream`` as an int: an int, ``__cuda_stream__()`` or ``.cuda_stream``; None -> 0."""
-    if stream is None:
-        return 0
-    if isinstance(stream, bool):
-        raise BaguaXError("stream must be a CUDA stream handle or stream object, not a bool")
-    if isinstance(stream, int):
-        return stream
-    proto = getattr(stream, "__cuda_stream__", None)
-    if proto is not None:
-        value = proto() if callable(proto) else proto
-        if isinstance(value, tuple):  # the CUDA stream protocol: (version, handle)
-            value = value[1]
-        return int(value)
-    handle = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream
-    if handle is not None:
-        return int(handle)
-    raise BaguaXError(
-        f"cannot read a CUDA stream handle from {type(stream).__name__}; pass an int cudaStream_t or an object "
-        "with __cuda_stream__ or cuda_stream (e.g. torch.cuda.current_stream())"
-    )
-
-
-def dlpack_stream(handle: int) -> int:
-    """The value of ``__dlpack__(stream=...)`` naming ``handle``: DLPack spells the legacy default stream 1, not 0."""
-    return 1 if handle == 0 else handle
-
-
-# --------------------------------------------------------------------------------------------
-# unique-id exchange through the job's key-value store
-# --------------------------------------------------------------------------------------------
-def exchange_unique_id(store, rank: int, key: str, create: Callable[[], bytes], *,
-                       timeout: float = 300.0, poll: float = 0.02) -> bytes:
-    """Rank 0 calls ``create()`` and publishes the bytes under ``key``; other ranks wait for them.
-
-    ``store`` is any key-value store with ``set(key, bytes)`` and ``get(key) -> bytes``
-    (``torch.distributed.TCPStore``, :func:`jax_kv_store`); when it also has
-    ``check([key]) -> bool`` (TCPStore), waiting polls that instead of a blocking ``get``.
-    A rank that has not seen the id after ``timeout`` seconds raises :class:`BaguaXError`.
-    """
-    if rank == 0:
-        uid = bytes(create())
-        if not uid:
-            raise BaguaXError("the NCCL unique-id generator returned no bytes")
-        store.set(key, uid)
-        return uid
-    check = getattr(store, "check", None)
-    deadline = time.monotonic() + timeout
-    last_error: Optional[BaseException] = None
-    while True:
-        ready = True
-        if callable(check):
-            try:
-                ready = bool(check([key]))
-            except Exception as e:  # noqa: BLE001 - a store may refuse check(); fall back to get()
-                last_error, check = e, None
-        if ready:
-            try:
-                value = store.get(key)
-            except Exception as e:  # noqa: BLE001 - stores signal "absent" differently (KeyError, NOT_FOUND, timeout)
-                last_error = e
-            else:
-                if value:
-                    return value.encode() if isinstance(value, str) else bytes(value)
-        if time.monotonic() >= deadline:
-            detail = f" (last store error: {last_error})" if last_error is not None else ""
-            raise BaguaXError(
-                f"rank {rank} waited {timeout:g} s for the NCCL unique id under key {key!r} in the rendezvous store, "
-                f"but rank 0 never published it{detail}; check that rank 0 is running, creates its "
-                f"NcclCommunicator with the same name, and uses the same store"
-            )
-        time.sleep(poll)
-
-
-class JaxKeyValueStore:
-    """``set``/``get`` over JAX's distributed runtime client (``jax._src.distributed.global_state.client``).
-
-    Duck-typed: uses the client's ``key_value_set_bytes`` / ``key_value_try_get_bytes``
-    (or ``blocking_key_value_get_bytes`` with a short timeout on clients without
-    ``try_get``), and the str variants on older clients; JAX itself is not imported.
-    """
-
-    def __init__(self, client, poll_ms: int = 100):
-        if client is None:
-            raise BaguaXError("no JAX distributed client: call jax.distributed.initialize() first")
-        self.client = client
-        self.poll_ms = poll_ms
-
-    def set(self, key: str, value: bytes) -> None:
-        c = self.client
-        if hasattr(c, "key_value_set_bytes"):
-            c.key_value_set_bytes(key, bytes(value))
-        else:
-            c.key_value_set(key, bytes(value).hex())
-
-    def get(self, key: str) -> bytes:
-        c = self.client
-        if hasattr(c, "key_value_try_get_bytes"):
-            return bytes(c.key_value_try_get_bytes(key))
-        if hasattr(c, "blocking_key_value_get_bytes"):
-            return bytes(c.blocking_key_value_get_bytes(key, self.poll_ms))
-        if hasattr(c, "key_value_try_get"):
-            return bytes.fromhex(c.key_value_try_get(key))
-        return bytes.fromhex(c.blocking_key_value_get(key, self.poll_ms))
-
-
-def jax_kv_store(client) -> JaxKeyValueStore:
-    """Adapter: JAX's distributed client as a ``set``/``get`` store for :func:`exchange_unique_id`.
-
-    Pass ``jax._src.distributed.global_state.client`` after ``jax.distributed.initialize()``.
-    """
-    return JaxKeyValueStore(client)
-
-
-_generations: dict = {}
-
-
-def _next_key(name: str) -> str:
-    """``bagua_x/nccl/<name>/<n>``: the n-th communicator of that name made by this process.
-
-    Every rank creates its communicators in the same order, so the n-th ones meet
-    under the same key and never read a previous communicator's id.
-    """
-    counter = _generations.setdefault(name, itertools.count())
-    return f"bagua_x/nccl/{name}/{next(counter)}"
-
-
-# --------------------------------------------------------------------------------------------
-# A DLPack producer for memory bagua_x owns (results handed to JAX)
-# --------------------------------------------------------------------------------------------
-# the DLPack structures and dtype codes are core.dlpack's
-DLPACK_DTYPES = {name: code_bits for code_bits, name in _DTYPE_NAMES.items()}  # dtype name -> (code, bits)
-
-_CAPSULE_NAME = b"dltensor"  # must outlive every capsule: module constant
-_PyCapsule_New = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
-    ("PyCapsule_New", ctypes.pythonapi))
-_PyCapsule_IsValid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
-    ("PyCapsule_IsValid", ctypes.pythonapi))
-_PyCapsule_GetPointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", ctypes.pythonapi))
-
-# address of a live DLManagedTensor -> what must stay alive with it (struct, shape, strides, owner)
-_EXPORTED: dict = {}
-
-
-def _release(address) -> None:
-    _EXPORTED.pop(address, None)
-
-
-# The consumer calls the deleter when it is done with the memory (from any thread:
-# ctypes takes the GIL); an unconsumed capsule (still named "dltensor") calls it itself.
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_release)
-
-
-def _capsule_destructor(capsule) -> None:
-    if _PyCapsule_IsValid(capsule, _CAPSULE_NAME):
-        _release(_PyCapsule_GetPointer(capsule, _CAPSULE_NAME))
-
-
-_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_capsule_destructor)
-
-
-def _contiguous_strides(shape) -> list:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(s), 1)
-    return list(reversed(strides))
-
-
-class DLPackExport:
-    """Memory at ``ptr`` (C-contiguous ``shape`` of ``dtype``) offered through ``__dlpack__``.
-
-    ``owner`` is kept alive until every consumer has released the capsule, then
-    dropped (for a ``cuda.core`` Buffer, that frees the memory).  The ``stream``
-    argument of ``__dlpack__`` is ignored: the data must be complete when a
-    consumer imports it.  ``device`` is a DLPack ``(device_type, device_id)``.
-    """
-
-    __slots__ = ("ptr", "shape", "dtype", "device", "owner")
-
-    def __init__(self, ptr: int, shape: Sequence[int], dtype: str, device: tuple, owner: Any):
-        if dtype not in DLPACK_DTYPES:
-            raise BaguaXError(f"cannot export dtype {dtype!r} through DLPack; known: {sorted(DLPACK_DTYPES)}")
-        self.ptr, self.shape, self.dtype = int(ptr), tuple(int(s) for s in shape), dtype
-        self.device, self.owner = (int(device[0]), int(device[1])), owner
-
-    def __dlpack_device__(self):
-        return self.device
-
-    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        if copy:
-            raise BufferError("bagua_x's DLPack export never copies; call with copy=None or False")
-        if dl_device is not None and (int(dl_device[0]), int(dl_device[1])) != self.device:
-            raise BufferError(f"buffer lives on DLPack device {self.device}, not {tuple(dl_device)}")
-        ndim = len(self.shape)
-        shape = (ctypes.c_int64 * max(ndim, 1))(*self.shape)
-        strides = (ctypes.c_int64 * max(ndim, 1))(*_contiguous_strides(self.shape))
-        managed = _DLManagedTensor()
-        t = managed.dl_tensor
-        t.data = self.ptr or None
-        t.device = _DLDevice(*self.device)
-        t.ndim = ndim
-        code, bits = DLPACK_DTYPES[self.dtype]
-        t.dtype = _DLDataType(code, bits, 1)
-        t.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
-        t.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
-        t.byte_offset = 0
-        managed.manager_ctx = None
-        managed.deleter = ctypes.cast(_DELETER, ctypes.c_void_p).value
-        address = ctypes.addressof(managed)
-        _EXPORTED[address] = (managed, shape, strides, self.owner)
-        try:
-            return _PyCapsule_New(address, _CAPSULE_NAME, ctypes.cast(_CAPSULE_DESTRUCTOR, ctypes.c_void_p).value)
-        except BaseException:
-            _release(address)
-            raise
-
-
-# --------------------------------------------------------------------------------------------
-# The communicator
-# --------------------------------------------------------------------------------------------
 def _detached(x):
     """torch refuses to export tensors that require grad; NCCL only reads their data."""
     if getattr(x, "requires_grad", False) and callable(getattr(x, "detach", None)):
@@ -391,7 +135,7 @@ class NcclCommunicator:
         if unique_id is not None:
             uid = bytes(unique_id)
         elif store is not None:
-            uid = exchange_unique_id(store, rank, key or _next_key(name), create, timeout=timeout)
+            uid = exchange_unique_id(store, rank, key or next_unique_id_key(name), create, timeout=timeout)
         elif size == 1:
             uid = create()
         else:
@@ -411,8 +155,8 @@ class NcclCommunicator:
         comm_cls = getattr(self._b, "Comm", None)
         self._comm_arg = comm_cls(self._comm.ptr) if comm_cls is not None else self._comm.ptr
         self._nccl_version = int(self._b.get_version())
-        self._has_avg = hasattr(self._nc.NcclRedOp, "AVG") and self._nccl_version >= _NCCL_AVG_MIN_VERSION
-        self._bytes = int(self._nc.NcclDataType[_BYTES_DTYPE])
+        self._has_avg = hasattr(self._nc.NcclRedOp, "AVG") and self._nccl_version >= NCCL_AVG_MIN_VERSION
+        self._bytes = int(self._nc.NcclDataType[BYTES_DTYPE])
         self._dl_device = (_DLPACK_CUDA, self._device_id)  # where results handed to JAX live
 
     @staticmethod
@@ -595,10 +339,7 @@ class NcclCommunicator:
 
     def _owned_output(self, xp, dtype: str, shape: tuple, zero: bool) -> _Output:
         """Device memory from cuda.core, given to JAX through DLPack once NCCL has filled it."""
-        itemsize = DLPACK_DTYPES[dtype][1] // 8
-        nbytes = itemsize
-        for s in shape:
-            nbytes *= s
+        nbytes = DLPACK_DTYPES[dtype][1] // 8 * numel(shape)
         buf = self._device.allocate(max(nbytes, 1), stream=self._cstream)
         if zero and nbytes:
             buf.fill(0, stream=self._cstream)
@@ -612,29 +353,8 @@ class NcclCommunicator:
 
     def _reduce_plan(self, info: BufferInfo, op, what: str):
         """``(nccl dtype, count, nccl op, post)`` with ``post`` in (None, 'div', 'floordiv')."""
-        if not isinstance(op, ReduceOp):
-            raise BaguaXError(f"NcclCommunicator.{what}: unsupported reduce op {op!r}; use a bagua_x.core.ReduceOp")
-        name, count = info.dtype, info.numel
-        if name in COMPLEX_AS_REAL:
-            if op in (ReduceOp.MIN, ReduceOp.MAX):
-                raise BaguaXError(f"NcclCommunicator.{what}: {op.name} is undefined for complex {name}")
-            name, count = COMPLEX_AS_REAL[name], count * 2
-        elif name == "bool":
-            if op not in (ReduceOp.MIN, ReduceOp.MAX):
-                raise BaguaXError(f"NcclCommunicator.{what}: {op.name} of booleans is ambiguous; use MIN or MAX")
-            name = "uint8"
-        if name not in NCCL_REDUCE_DTYPES:
-            raise BaguaXError(
-                f"NcclCommunicator.{what}: NCCL cannot reduce {info.dtype}; it reduces "
-                f"{', '.join(NCCL_REDUCE_DTYPES)} (and complex64/128 for SUM/AVG)"
-            )
-        post, nccl_op = None, NCCL_REDUCE_OPS[op]
-        if op is ReduceOp.AVG:
-            floating = name in _FLOATING
-            if not (floating and self._has_avg):
-                nccl_op, post = "SUM", ("div" if floating else "floordiv")
-        return (int(self._nc.NcclDataType[NCCL_REDUCE_DTYPES[name]]), count,
-                int(self._nc.NcclRedOp[nccl_op]), post)
+        plan = reduce_plan(info.dtype, info.numel, op, self._has_avg, what)
+        return (int(self._nc.NcclDataType[plan.dtype]), plan.count, int(self._nc.NcclRedOp[plan.op]), plan.post)
 
     def _post(self, out, post):
         if post == "div":
