@@ -93,8 +93,8 @@ class _Counters:
                 return
             try:
                 store.set(_answer_key(int(message), rank), encode(self.snapshot()))
-            except Exception as e:  # noqa: BLE001 -- diagnostics must never break training
-                log.debug("bagua_x: could not answer stall alarm %r: %s", message, e)
+            except Exception as e:  # noqa: BLE001 -- diagnostics (or a garbled wake-up) must never break training
+                log.debug("bagua_x: could not answer stall alarm %r: %s", message[:64], e)
 
 
 _COUNTERS = _Counters()
