@@ -17,6 +17,8 @@ from bagua_x.core import ReduceOp
 
 out = sys.argv[1]
 crash = int(sys.argv[sys.argv.index("--crash-rank") + 1]) if "--crash-rank" in sys.argv else None
+with open(os.path.join(out, f"pid{os.environ['RANK']}"), "w") as f:  # the test checks that no rank outlives the run
+    f.write(str(os.getpid()))
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 if rank == crash:
