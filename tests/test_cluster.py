@@ -7,7 +7,6 @@ skipped otherwise; the prerequisite messages are tested everywhere.
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +128,11 @@ def test_the_command_runs_under_this_interpreter():
     assert cluster.program(["python", "t.py", "-x"]) == [sys.executable, "t.py", "-x"]
     assert cluster.program(["t.py"]) == [sys.executable, "t.py"]
     assert cluster.program(["sleep", "1"]) == ["sleep", "1"]
+
+
+@needs_root
+def test_a_failed_setup_is_reported_and_cleaned_up():
+    before = set(own_namespaces(f"bxc-{os.getpid()}-"))
+    with pytest.raises(cluster.ClusterUnavailable, match="setting up the namespaces failed"):
+        cluster.run(["true"], inter_node="not-a-rate")
+    assert set(own_namespaces(f"bxc-{os.getpid()}-")) == before == set()

@@ -241,7 +241,10 @@ def run(
             pass
     launchers: list[subprocess.Popen] = []
     try:
-        cluster.setup()
+        try:
+            cluster.setup()
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+            raise ClusterUnavailable(f"bagua-x cluster: setting up the namespaces failed: {e}") from e
         base = dict(os.environ if env is None else env)
         base.setdefault("PYTHONUNBUFFERED", "1")
         for k in range(nodes):

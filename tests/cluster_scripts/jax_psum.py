@@ -10,7 +10,6 @@ import bagua_x.jax as bxj
 bxj.init_distributed()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
