@@ -1,4 +1,5 @@
-"""The ``bagua-x`` command: ``demo`` trains with every algorithm in both frontends; ``bench`` measures speed."""
+"""The ``bagua-x`` command: ``demo`` trains with every algorithm in both frontends; ``bench`` measures speed;
+``cluster`` runs a script on several network-namespace "nodes" of this machine joined by capped links."""
 
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="bagua-x", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from .apps import bench, demo
+    from .apps import bench, cluster, demo
 
     demo.add_arguments(sub.add_parser("demo", help="train a small classifier with every algorithm, both frontends"))
     bench.add_arguments(sub.add_parser("bench", help="run the benchmarks of benchmarks/ and print ratios"))
+    cluster.add_arguments(sub.add_parser(
+        "cluster", help="run a script on N nodes (network namespaces, capped inter-node links) x P ranks; root only",
+        description=cluster.__doc__.split("\n\n")[0]))
     args = parser.parse_args(argv)
+    if args.command == "cluster":
+        return cluster.main(args)
     if args.command == "bench":
         return bench.main(args)
     if args.bandwidth and "BAGUA_X_LINK" not in os.environ:

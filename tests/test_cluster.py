@@ -1,0 +1,138 @@
+"""``bagua-x cluster``: 2 network-namespace nodes joined by a 1 Gbit/s veth; torch and JAX ranks across them.
+
+The runs need root and iproute2 (they create network namespaces) and are
+skipped otherwise; the prerequisite messages are tested everywhere.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bagua_x.apps import cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "cluster_scripts"
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or cluster.missing_prerequisite() is not None,
+    reason="bagua-x cluster needs root and ip, tc, unshare, mount, hostname (network namespaces)",
+)
+
+
+def run_cluster(*args, env=None, timeout=90):
+    """``bagua-x cluster ARGS`` in a subprocess; (completed process, the namespace prefix it used)."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen([sys.executable, "-m", "bagua_x.cli", "cluster", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # its handler deletes the namespaces
+        out, _ = proc.communicate(timeout=30)
+        raise
+    return proc.returncode, out, f"bxc-{proc.pid}-"
+
+
+def own_namespaces(prefix):
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(prefix)]
+
+
+def alive(pid):
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def results(out_dir, n):
+    found = sorted(out_dir.glob("rank*.json"))
+    assert len(found) == n, [p.name for p in found]
+    return [json.loads(p.read_text()) for p in found]
+
+
+@needs_root
+def test_torch_hierarchical_and_flat_allreduce_across_two_nodes(tmp_path):
+    rc, out, prefix = run_cluster("--nodes", "2", "--nproc-per-node", "2", "--timeout", "80", "--",
+                                  "python", str(SCRIPTS / "torch_allreduce.py"), str(tmp_path))
+    assert rc == 0, out[-3000:]
+    ranks = results(tmp_path, 4)
+    for r in ranks:
+        assert r["world"] == 4 and r["local_world_size"] == 2
+        assert r["hierarchical_ok"] and r["flat_ok"], r
+        assert r["node"] == r["rank"] // 2 and r["hostname"] == f"bx-node{r['node']}"
+    assert len({r["ifname"] for r in ranks}) == 2  # each node's ranks bound to their own node's veth
+    assert own_namespaces(prefix) == []
+
+
+@needs_root
+def test_jax_psum_across_two_nodes(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    rc, out, prefix = run_cluster("--nodes", "2", "--nproc-per-node", "1", "--timeout", "80", "--",
+                                  "python", str(SCRIPTS / "jax_psum.py"), str(tmp_path), env=env)
+    assert rc == 0, out[-3000:]
+    for r in results(tmp_path, 2):
+        assert r["processes"] == 2 and r["devices"] == 4 and r["local_devices"] == 2 and r["local_world_size"] == 1
+        assert r["psum_ok"], r
+        assert r["hostname"] == f"bx-node{r['rank']}"
+    assert own_namespaces(prefix) == []
+
+
+@needs_root
+def test_a_crashed_rank_fails_the_run_and_leaves_nothing_behind(tmp_path):
+    rc, out, prefix = run_cluster("--nodes", "2", "--nproc-per-node", "2", "--timeout", "80", "--",
+                                  "python", str(SCRIPTS / "torch_allreduce.py"), str(tmp_path), "--crash-rank", "3")
+    assert rc != 0, out[-3000:]
+    assert "rank 3 crashes on purpose" in out
+    assert re.search(r"node 1 exited with \d+; stopping the other nodes", out), out[-3000:]
+    assert own_namespaces(prefix) == []
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    assert len(pids) == 4
+    assert not [pid for pid in pids if alive(pid)]
+
+
+@needs_root
+def test_a_hung_rank_is_killed_after_the_timeout():
+    rc, out, prefix = run_cluster("--nodes", "2", "--nproc-per-node", "1", "--timeout", "3", "--", "sleep", "1000")
+    assert rc == 124, out[-3000:]
+    assert "--timeout 3 s" in out
+    assert own_namespaces(prefix) == []
+
+
+def test_without_root_one_line_and_non_zero_exit(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cluster.add_arguments(parser)
+    args = parser.parse_args(["--", "python", "train.py"])
+    assert cluster.main(args, euid=1000) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs root" in err
+    with pytest.raises(cluster.ClusterUnavailable, match="needs root"):
+        cluster.run(["python", "train.py"], euid=1000)
+
+
+def test_missing_tools_are_named():
+    why = cluster.missing_prerequisite(euid=0, which=lambda tool: None if tool in ("tc", "unshare") else "/bin/" + tool)
+    assert "needs tc, unshare" in why
+    assert cluster.missing_prerequisite(euid=0, which=lambda tool: "/bin/" + tool) is None
+
+
+def test_the_command_runs_under_this_interpreter():
+    assert cluster.program(["python", "t.py", "-x"]) == [sys.executable, "t.py", "-x"]
+    assert cluster.program(["t.py"]) == [sys.executable, "t.py"]
+    assert cluster.program(["sleep", "1"]) == ["sleep", "1"]
+
+
+@needs_root
+def test_a_failed_setup_is_reported_and_cleaned_up():
+    before = set(own_namespaces(f"bxc-{os.getpid()}-"))
+    with pytest.raises(cluster.ClusterUnavailable, match="setting up the namespaces failed"):
+        cluster.run(["true"], inter_node="not-a-rate")
+    assert set(own_namespaces(f"bxc-{os.getpid()}-")) == before == set()
