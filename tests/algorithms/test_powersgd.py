@@ -109,3 +109,32 @@ def test_refuses_bad_settings():
     for kw in ({"matrix_approximation_rank": 0}, {"start_powerSGD_iter": -1}, {"min_compression_rate": -1}):
         with pytest.raises(BaguaXError, match="PowerSGD"):
             PowerSGD(**kw)
+
+
+def test_compresses_only_where_torch_does():
+    """(4, 4) at rank 1: (4 + 4) * 1 * 2 == 16 is not < 16, so torch leaves it as it is; (5, 4) is compressed."""
+    shapes = [(4, 4), (5, 4)]
+    lay = layout(shapes)
+    results, inputs, comms = train(2, PowerSGD(start_powerSGD_iter=0, use_error_feedback=False), lay, steps=1)
+    mean = np.mean([x.astype(np.float64) for x in inputs[0]], axis=0)
+    out = results[0][0][0]
+    np.testing.assert_allclose(out[:16], mean[:16], atol=1e-6)  # averaged as it is
+    assert np.abs(out[16:] - mean[16:]).max() > 0.05  # a rank-1 approximation
+    assert [int(np.prod(s.shape)) for s in comms[0].sent] == [16, 5, 4]
+
+
+def test_a_bucket_of_vectors_is_averaged_as_it_is():
+    lay = layout([(12,), (5,)])
+    alg = PowerSGD(start_powerSGD_iter=0)
+    assert alg.init(np.zeros(17, np.float32), lay, 2)["q"].shape == (0,)
+    results, inputs, comms = train(3, alg, lay, steps=2)
+    for t in range(2):
+        np.testing.assert_allclose(results[0][0][t], np.mean(inputs[t], axis=0), atol=1e-6)
+    assert [int(np.prod(s.shape)) for s in comms[0].sent] == [17, 17]  # no factors to exchange
+    assert alg.wire_bytes(lay, 4, 3) == pytest.approx(2 * 2 / 3 * 17 * 4)
+
+
+def test_wire_bytes_at_rank_two():
+    # rank 2: the 16 x 12 is compressed (2 (16 + 12) values), the 5 x 12 is not worth it, nor the 3 x 3
+    assert PowerSGD(matrix_approximation_rank=2).wire_bytes(layout(), 4, 4) == pytest.approx(
+        2 * 3 / 4 * (12 + 60 + 9 + 2 * (16 + 12)) * 4)
