@@ -41,10 +41,7 @@ def test_skipped_step_names_bucket_and_rank(algorithm, bucket):
 
 
 def test_stall_report_at_four_ranks_names_the_lagging_rank():
-    """Rank 2 skips a backward and idles: ranks 0, 1 and 3 each name bucket, tensors and rank 2 with its count.
-
-    The counts travel only when a wait fails (an alarm in the store answered by every rank's responder
-    thread), not every step."""
+    """Rank 2 skips a backward and idles: ranks 0, 1 and 3 each name bucket, tensors and rank 2 with its count."""
     timeout = 4.0
     results = run_workers("bx_fault_workers:rank_skips_backward", nproc=4, timeout=120, env=ENV,
                           args=(timeout, "GradientAllReduce", 2))
@@ -57,22 +54,6 @@ def test_stall_report_at_four_ranks_names_the_lagging_rank():
         assert "grad_bucket_0 did not complete within 4 s" in message, message
         assert "'0.weight'" in message and "'2.bias'" in message, message
         assert f"ranks [2] had not marked it ready (rank 2: 2 times; this rank {rank}: 3 times)" in message, message
-
-
-def test_stall_report_names_a_dead_rank_as_not_answering():
-    timeout = 5.0
-    results = run_workers("bx_fault_workers:rank_dies", nproc=4, timeout=120, env=ENV,
-                          args=("GradientAllReduce", timeout), expect_failure=True)
-    kind, out = results[0]
-    assert kind == "ok" and out["type"] == "BaguaXError", out
-    assert "rank 1: no answer within 2 s (dead, or its process is frozen)" in out["message"], out["message"]
-    assert "rank 2:" not in out["message"] and "rank 3:" not in out["message"], out["message"]
-
-
-def test_no_store_traffic_per_step():
-    """Steady-state training sets no key in the store: the counters live in memory until a wait fails."""
-    for keys in run_workers("bx_fault_workers:store_keys_during_training", nproc=2, timeout=90, env=ENV):
-        assert keys["before"] == keys["after"], keys
 
 
 @pytest.mark.parametrize("case,expected", [
