@@ -51,7 +51,9 @@ def test_stall_report_at_four_ranks_names_the_lagging_rank():
         assert out["type"] == "BaguaXError", out
         assert timeout - 0.5 < out["seconds"] < timeout + 10, out
         message = out["message"]
-        assert "grad_bucket_0 did not complete within 4 s" in message, message
+        # the wait's timeout or gloo's own (the same 4 s) may come first: either names the bucket
+        assert ("grad_bucket_0 did not complete within 4 s" in message
+                or "grad_bucket_0 failed on the communication thread" in message), message
         assert "'0.weight'" in message and "'2.bias'" in message, message
         assert f"ranks [2] had not marked it ready (rank 2: 2 times; this rank {rank}: 3 times)" in message, message
 
