@@ -6,18 +6,26 @@ reduces its chunk, re-quantises it with fresh min/max and everyone gathers all
 chunks (allgather).  Every rank dequantises the same bytes, its own chunk
 included, so all ranks end bitwise identical.  Bytes on the wire per rank are
 about 2 x numel (vs 8 x numel for a float32 ring allreduce).
+
+``hierarchical`` (Bagua's option, default on with >= 2 nodes of >= 2 ranks):
+gradients are averaged in full precision inside each node and only the nodes
+exchange 8-bit (:func:`~.base.over_nodes`); each of a node's L ranks
+compresses its 1/L shard, so a chunk is 1/(L x nodes) of the bucket where
+Bagua's leader compresses 1/nodes (the same bytes between nodes, finer min/max).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from array_api_compat import is_writeable_array
 
-from .base import Algorithm, compressed_bytes, namespace
+from ..core.comm import ReduceOp
+from .base import Algorithm, NodeAware, compressed_bytes, namespace, over_nodes
 from .compression import compress_rows, decompress_rows, reduce_requantize
 
-__all__ = ["ByteGrad", "compressed_allreduce"]
+__all__ = ["ByteGrad", "compressed_allreduce", "compressed_average"]
 
 
 def compressed_allreduce(flat, comm, average: bool = True, out=None):
@@ -36,9 +44,19 @@ def compressed_allreduce(flat, comm, average: bool = True, out=None):
     return xp.astype(xp.reshape(decompress_rows(gathered), (-1,)), flat.dtype)
 
 
+def compressed_average(flat, comm, average: bool, two_level: bool):
+    """The ByteGrad exchange, flat or over nodes (the result written over ``flat`` where it is mutable)."""
+    if two_level:
+        op = ReduceOp.AVG if average else ReduceOp.SUM
+        return over_nodes(flat, comm, lambda shard, across: compressed_allreduce(shard, across, average), op)
+    out = flat if is_writeable_array(flat) else None  # torch, numpy: in place; JAX: a new array
+    return compressed_allreduce(flat, comm, average, out=out)
+
+
 @dataclasses.dataclass(frozen=True)
-class ByteGrad(Algorithm):
+class ByteGrad(NodeAware, Algorithm):
     average: bool = True
+    hierarchical: Optional[bool] = None
     donates_input = True  # the result is written over the bucket where arrays are mutable
 
     def alignment(self, world_size):
@@ -48,5 +66,4 @@ class ByteGrad(Algorithm):
         return compressed_bytes(layout.padded_numel, world_size)
 
     def reduce(self, flat, layout, state, comm):
-        out = flat if is_writeable_array(flat) else None  # torch, numpy: in place; JAX: a new array
-        return compressed_allreduce(flat, comm, self.average, out=out), state
+        return compressed_average(flat, comm, self.average, self.two_level(comm)), state

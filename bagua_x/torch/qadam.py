@@ -48,9 +48,10 @@ class QAdamOptimizer(torch.optim.Optimizer):
     """Adam whose momentum bagua_x communicates (8-bit) after ``warmup_steps``; use with ``wrap()``."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, warmup_steps: int = 100,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 hierarchical: Optional[bool] = None):
         self.algorithm = QAdam(lr=lr, warmup_steps=warmup_steps, betas=tuple(betas), eps=eps,
-                               weight_decay=weight_decay)
+                               weight_decay=weight_decay, hierarchical=hierarchical)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.step_id = 0  # completed steps
         for group in self.param_groups:
@@ -119,7 +120,8 @@ class MomentumEngine:
         self._momentum_ready = False
         self.enabled = True
         if optimizer.in_warmup:
-            self._grad_engine = GradientEngine(self._named, GradientAllReduce(), comm, options=options)
+            self._grad_engine = GradientEngine(self._named, GradientAllReduce(hierarchical=algorithm.hierarchical),
+                                               comm, options=options)
         else:
             self._build_momentum_buckets()
 
@@ -143,7 +145,8 @@ class MomentumEngine:
             log.info("bagua_x QAdam: optimizer back in warmup at step %d; communicating gradients again",
                      self.optimizer.step_id)
             self._close_momentum()
-            self._grad_engine = GradientEngine(self._named, GradientAllReduce(), self.comm, options=self.options)
+            self._grad_engine = GradientEngine(self._named, GradientAllReduce(hierarchical=self.algorithm.hierarchical),
+                                               self.comm, options=self.options)
         if self._grad_engine is not None:
             self._grad_engine.enabled = self.enabled
             if warmup:
