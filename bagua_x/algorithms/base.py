@@ -162,14 +162,16 @@ def over_nodes(flat, comm, exchange: Callable, op: ReduceOp = ReduceOp.AVG):
     shard instead: reduce-scatter inside the node, the exchange among the ranks
     holding that shard in every node, allgather inside the node.  The bytes
     between nodes are the leader scheme's, spread over every rank's link.
-    ``flat`` is 1-D; it is padded to a multiple of L when it is not one.
+    ``flat`` is padded to a multiple of L elements when it is not one (a bucket
+    aligned to the world size never is).
     """
     xp = namespace(flat)
-    within = comm.within
+    within, shape = comm.within, flat.shape
+    flat = xp.reshape(flat, (-1,))
     n = flat.shape[0]
     pad = -n % within.size
     if pad:
         flat = xp.concat([flat, xp.zeros((pad,), dtype=flat.dtype)])
     shard = within.reduce_scatter(xp.reshape(flat, (within.size, -1)), op)
     out = xp.reshape(within.allgather(exchange(shard, comm.across)), (-1,))
-    return out[:n] if pad else out
+    return xp.reshape(out[:n] if pad else out, shape)

@@ -166,7 +166,8 @@ class AxisCommunicator:
     def _check_rows(self, x, what: str) -> None:
         if x.ndim == 0 or x.shape[0] != self.size:
             raise BaguaXError(
-                f"{what} needs an array whose first dimension is the group size {self.size}, got shape {tuple(x.shape)}"
+                f"{what} needs an array whose first dimension is the {'group' if self._groups else 'axis'} size "
+                f"{self.size}, got shape {tuple(x.shape)}"
             )
 
 
