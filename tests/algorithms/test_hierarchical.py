@@ -57,8 +57,9 @@ def test_bytegrad(n, local, average):
             # topology and step; a flipped code is a step (~1e-3 here), a flat ByteGrad (other chunks) or no
             # compression is off in most elements
             assert np.abs(got[r] - want[r]).max() <= 1.5e-7
-    for c in comms:  # nothing but full precision inside the node, only uint8 between nodes
-        assert c.sent == [] and all(s.dtype == np.float32 for s in c.within.sent)
+    for c in comms:  # the node's full-precision average, then its 8-bit results shared; only uint8 between nodes
+        assert c.sent == [] and c.within.ops() == ["reduce_scatter", "allgather"] * STEPS
+        assert [s.dtype for s in c.within.sent] == [np.float32, np.uint8] * STEPS
         assert c.across.ops() == ["alltoall", "allgather"] * STEPS and all(s.dtype == np.uint8 for s in c.across.sent)
         # the flat algorithm among the nodes on this rank's 1/L shard
         assert c.across.bytes_sent() == pytest.approx(STEPS * compressed_bytes(NUMEL // local, n // local))
