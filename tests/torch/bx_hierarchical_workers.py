@@ -15,7 +15,6 @@ def inputs(step: int, n: int = 4, scale: float = 0.05):
 
 def algorithms():
     """The algorithms' ``reduce`` on real gloo node groups, several steps each, state threaded through."""
-    import numpy as np
     import torch
     import torch.distributed as dist
 
