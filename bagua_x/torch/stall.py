@@ -18,9 +18,10 @@ timed out or a collective has failed, when the job is over anyway:
   frozen).  A rank that answered and then exited still counts, by its answer.
 
 Every blocking request runs on a connection of its own (``store.clone()``,
-made while the store is reachable): a TCPStore client is one socket that
-serves one request at a time, so a ``wait`` on the shared default store holds
-up every other request of the process until it returns.  That, and ranks that
+opened by the responder thread when the first engine is built): a TCPStore
+client is one socket that serves one request at a time, so a ``wait`` on the
+shared default store holds up every other request of the process until it
+returns.  That, and ranks that
 exited before a later alarm reached them, made an earlier per-alarm design
 miss answers at 4 ranks.
 
@@ -63,31 +64,22 @@ def _key(kind: str, rank: int) -> str:
 
 
 class _Progress:
-    """This process's launch counts (``"<inspector>/<bucket>" -> launches``), its responder and its connections."""
+    """This process's launch counts (``"<inspector>/<bucket>" -> launches``), published once a report asks."""
 
     def __init__(self):
         self._lock = threading.Lock()  # counts and publishing, so a published value never goes back
         self._counts: dict[str, int] = {}
         self._publisher = None  # the responder's connection once woken: counts are then published at each launch
-        self._source = None  # the default store the connections below were cloned from
         self._rank = -1
-        self._responder: Optional[threading.Thread] = None
-        self._reporter = None  # connection for alarms and the wait for answers
-        self._report_lock = threading.Lock()  # one report at a time on that connection
+        self.responder: Optional[_Responder] = None
 
     def start(self) -> None:
         """Start the responder for the current default store (once; again after a new init_process_group)."""
         with self._lock:
             store = c10d._get_default_store()
-            if store is self._source and self._responder is not None and self._responder.is_alive():
-                return
-            self._source, self._rank, self._publisher = store, dist.get_rank(), None
-            self._reporter = store.clone()
-            self._reporter.set_timeout(datetime.timedelta(seconds=_REQUEST_SECONDS))
-            self._responder = threading.Thread(target=self._respond, args=(store.clone(), self._rank),
-                                               name="bagua_x-stall-responder", daemon=True)
-            self._responder.start()
-            atexit.register(_stop, self._responder, self._reporter, self._rank)
+            if self.responder is None or self.responder.store is not store:
+                self._rank, self._publisher = dist.get_rank(), None
+                self.responder = _Responder(store, self._rank, self._woken)
 
     def bump(self, key: str) -> None:
         with self._lock:
@@ -99,15 +91,47 @@ class _Progress:
         with self._lock:
             return self._counts.get(key, 0)
 
+    def _woken(self, conn) -> None:
+        with self._lock:
+            self._publisher = conn
+            self._publish()
+
     def _publish(self) -> None:
         try:
             self._publisher.set(_key("progress", self._rank), encode(sorted(self._counts.items())))
         except Exception as e:  # noqa: BLE001 -- diagnostics must never break training
             log.debug("bagua_x: could not publish launch counts for a stall report: %s", e)
 
-    def _respond(self, conn, rank: int) -> None:
-        """Wait for this rank's wake key; on an alarm publish the counts, and keep them current from then on."""
-        wake = _key("wake", rank)
+
+class _Responder:
+    """A thread that waits for this rank's wake key, and the connection this rank's reports use.
+
+    Both connections are opened on the thread: opening one retries for the
+    store's whole timeout (30 min by default) if the store host has just
+    exited, which must not hold up wrap() or a report.
+    """
+
+    def __init__(self, store, rank: int, on_alarm):
+        self.store, self._rank, self._on_alarm = store, rank, on_alarm
+        self._reporter = None  # for alarms and the wait for answers
+        self._connected = threading.Event()  # set once the connections are open, or could not be
+        self._report_lock = threading.Lock()  # one report at a time on that connection
+        self._thread = threading.Thread(target=self._run, name="bagua_x-stall-responder", daemon=True)
+        self._thread.start()
+        atexit.register(self._stop)
+
+    def _run(self) -> None:
+        try:
+            conn = self.store.clone()
+            self._reporter = self.store.clone()
+            self._reporter.set_timeout(datetime.timedelta(seconds=_REQUEST_SECONDS))
+        except Exception as e:  # noqa: BLE001 -- diagnostics must never break training
+            log.warning("bagua_x: stall reports will not say which ranks are behind: could not connect to the "
+                        "torch.distributed store (MASTER_ADDR): %s", e)
+            return
+        finally:
+            self._connected.set()
+        wake = _key("wake", self._rank)
         while True:
             try:
                 conn.wait([wake], datetime.timedelta(days=1))
@@ -118,14 +142,26 @@ class _Progress:
                     conn.check([wake])
                 except Exception:  # noqa: BLE001 -- the job is over (or its store host died): stop answering
                     return
-        if message == b"stop":
+        if message != b"stop":
+            self._on_alarm(conn)
+
+    def _stop(self) -> None:
+        """At exit: wake the thread with ``stop`` if it still waits, and join it (a thread left blocked in C++
+        while Python finalises aborts the process)."""
+        if not self._thread.is_alive():
             return
-        with self._lock:
-            self._publisher = conn
-            self._publish()
+        if self._reporter is not None:
+            try:
+                self._reporter.set(_key("wake", self._rank), b"stop")
+            except Exception:  # noqa: BLE001 -- the store is gone, and with it the thread's wait
+                pass
+        self._thread.join(timeout=5)
 
     def collect(self, ranks: list[int]) -> dict[int, Optional[dict[str, int]]]:
         """Wake ``ranks``; their counters that are in the store within ``ANSWER_SECONDS`` (None: no answer)."""
+        if not self._connected.wait(_REQUEST_SECONDS) or self._reporter is None:
+            raise BaguaXError(f"this rank could not connect to the torch.distributed store (MASTER_ADDR) within "
+                              f"{_REQUEST_SECONDS:g} s of wrap() to ask the others: its host has probably died")
         if not self._report_lock.acquire(timeout=ANSWER_SECONDS + 3 * _REQUEST_SECONDS):
             raise BaguaXError("another stall report of this rank is still waiting for the torch.distributed store "
                               "(MASTER_ADDR), which may be unreachable; see that report")
@@ -145,17 +181,6 @@ class _Progress:
         for (r, _), data in zip(present, values):
             answers[r] = _parse_answer(data, r)
         return answers
-
-
-def _stop(thread: threading.Thread, conn, rank: int) -> None:
-    """At exit: wake this rank's responder with ``stop`` if it still waits, and join it."""
-    if not thread.is_alive():
-        return
-    try:
-        conn.set(_key("wake", rank), b"stop")
-    except Exception:  # noqa: BLE001 -- the store is gone, and with it the responder's wait
-        pass
-    thread.join(timeout=5)
 
 
 _PROGRESS = _Progress()
@@ -194,7 +219,7 @@ class StallInspector:
         mine = _PROGRESS.get(key)
         tensors = f"; tensors {bucket.layout.names}"
         try:
-            answers = _PROGRESS.collect(self._ranks)
+            answers = _PROGRESS.responder.collect(self._ranks)
         except BaguaXError as e:
             return f"{tensors}; the readiness of other ranks is unknown: {e}"
         except Exception as e:  # noqa: BLE001

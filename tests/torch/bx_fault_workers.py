@@ -268,3 +268,26 @@ def store_requests_during_training(steps=20):
     dist.barrier()
     return {"setup": sorted(set(calls[:before])), "during": calls[before:],
             "buckets": sum(len(w.buckets) for w, _ in wrapped)}
+
+
+def store_host_gone_before_inspector():
+    """Rank 0, the store's host, exits; then rank 1 builds a StallInspector (as wrap() does for each engine) and
+    asks it for a stall report: how long each took, and the report."""
+    import torch.distributed as dist
+
+    from bagua_x.algorithms.base import Target
+    from bagua_x.core.bucket import Bucket
+    from bagua_x.torch.buckets import register_parameters
+    from bagua_x.torch.stall import StallInspector
+
+    rank, _ = _init()
+    dist.barrier()
+    if rank == 0:
+        os._exit(0)
+    time.sleep(1)
+    bucket = Bucket("weight_bucket_0", register_parameters(list(_model().named_parameters()), Target.WEIGHT))
+    start = time.monotonic()
+    inspector = StallInspector(None)
+    built = time.monotonic()
+    message = inspector.report(bucket, stuck=True)
+    return {"build_s": built - start, "report_s": time.monotonic() - built, "message": message}

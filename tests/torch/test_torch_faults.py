@@ -81,6 +81,18 @@ def test_no_store_request_per_step():
         assert out["during"] == [], out
 
 
+def test_stall_inspector_does_not_hang_when_the_store_host_has_gone():
+    """Connecting to a store whose host has exited retries for the store's whole timeout (30 min): the engine is
+    built at once, and the report says within seconds that the store is unreachable, naming the tensors."""
+    results = run_workers("bx_fault_workers:store_host_gone_before_inspector", nproc=2, timeout=60, env=ENV,
+                          expect_failure=True)
+    kind, out = results[1]
+    assert kind == "ok", out
+    assert out["build_s"] < 1, out
+    assert out["report_s"] < 10, out
+    assert "'0.weight'" in out["message"] and "could not connect to the torch.distributed store" in out["message"], out
+
+
 @pytest.mark.parametrize("case,expected", [
     ("complex", ["'weight'", "complex64", "view_as_real"]),
     ("sparse", ["'0.weight'", "sparse=True", "sparse=False"]),
