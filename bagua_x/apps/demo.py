@@ -42,10 +42,10 @@ def add_arguments(parser) -> None:
                              "that works here)")
     parser.add_argument("--link", default="1gbit", metavar="RATE", help="inter-node (or capped) link rate, tc syntax")
     parser.add_argument("--target", type=float, default=0.9, help="held-out accuracy whose time to reach is reported")
-    parser.add_argument("--seconds", type=float, default=10.0,
+    parser.add_argument("--seconds", type=float, default=8.0,
                         help="torch: training clock per algorithm (longer until --target is reached)")
     parser.add_argument("--steps", type=int, default=200, help="torch: at most this many steps per algorithm")
-    parser.add_argument("--jax-steps", type=int, default=150, help="JAX: steps per algorithm")
+    parser.add_argument("--jax-steps", type=int, default=100, help="JAX: steps per algorithm")
     parser.add_argument("--hidden", type=int, default=2048, help="torch: width of the MLP's 2 hidden layers")
     parser.add_argument("--batch", type=int, default=16, help="per-rank batch size")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (QAdam uses its own)")
@@ -123,6 +123,7 @@ def main(args) -> int:
             print(note)
         sys.stdout.flush()  # before the ranks' output
         runs += run_torch(args, setting)
+        print(f"  ({time.monotonic() - started:.0f} s so far)")
     if args.frontend in ("jax", "both"):  # its workers drop gloo's C++ lines themselves (apps/quiet.py)
         print(titles["jax"], flush=True)
         runs += run_jax(args)

@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     # --seconds: clock budget per algorithm, run past it until --target accuracy, never past --steps
     for name, kind, default in (("steps", int, 200), ("batch", int, 16), ("lr", float, 0.05), ("seed", int, 0),
                                 ("hidden", int, 2048), ("depth", int, 2), ("eval-every", int, 4),
-                                ("seconds", float, 10.0), ("target", float, 0.9)):
+                                ("seconds", float, 8.0), ("target", float, 0.9)):
         parser.add_argument(f"--{name}", type=kind, default=default)
     args = parser.parse_args(argv)
 
