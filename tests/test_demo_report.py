@@ -1,5 +1,8 @@
 """The demo's report and its choice of network, without running any rank: fast."""
 
+import argparse
+import subprocess
+
 import pytest
 
 from bagua_x.apps import demo
@@ -27,7 +30,8 @@ def test_time_to_target_is_the_clock_at_the_first_evaluation_reaching_it():
 
 
 def test_the_figure_is_drawn_with_a_run_that_missed_the_target(tmp_path):
-    runs = [run("torch", "allreduce", [[8, 0.95]]), run("torch", "qadam", [[8, 0.2]]), run("jax", "allreduce", [[8, 1]])]
+    runs = [run("torch", "allreduce", [[8, 0.95]]), run("torch", "qadam", [[8, 0.2]]),
+            run("jax", "allreduce", [[8, 1.0]])]
     summarize(runs, 0.9)
     plot(runs, {"torch": "torch title", "jax": "jax title"}, 0.9, tmp_path / "demo.png")
     assert (tmp_path / "demo.png").stat().st_size > 10_000
@@ -41,9 +45,8 @@ def test_the_figure_is_drawn_with_a_run_that_missed_the_target(tmp_path):
 def test_auto_takes_the_best_network_this_machine_allows(monkeypatch, why, cap, setting, note):
     monkeypatch.setattr(demo.cluster, "missing_prerequisite", lambda: why)
     monkeypatch.setattr(demo, "can_cap", lambda: cap)
-    chosen, described, said = demo.choose_setting("auto", "1gbit")
+    chosen, said = demo.choose_setting("auto", "1gbit")
     assert chosen == setting and (note in said if note else said == "")
-    assert ("1gbit" in described) == (setting != "loopback")
 
 
 def test_a_setting_that_cannot_be_made_here_is_refused(monkeypatch):
@@ -53,4 +56,42 @@ def test_a_setting_that_cannot_be_made_here_is_refused(monkeypatch):
         demo.choose_setting("cluster", "1gbit")
     with pytest.raises(SystemExit, match="root and iproute2"):
         demo.choose_setting("capped", "1gbit")
-    assert demo.choose_setting("loopback", "1gbit")[0] == "loopback"
+    assert demo.choose_setting("loopback", "1gbit") == ("loopback", "note: " + demo.LOOPBACK_NOTE)
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _job_fails_on(monkeypatch, failing):
+    """``_torch_job`` as on a root machine where namespaces cannot be made: the settings in ``failing`` raise."""
+    errors = {"cluster": demo.cluster.ClusterUnavailable("bagua-x cluster: setting up the namespaces failed"),
+              "capped": subprocess.CalledProcessError(1, ["ip", "netns", "add"])}
+    tried = []
+
+    def job(args, setting):
+        tried.append(setting)
+        if setting in failing:
+            raise errors[setting]
+        return [{"setting": setting}]
+
+    monkeypatch.setattr(demo, "_torch_job", job)
+    monkeypatch.setattr(demo, "can_cap", lambda: True)
+    return tried
+
+
+def test_auto_falls_back_when_the_namespaces_cannot_be_made(monkeypatch, capsys):
+    tried = _job_fails_on(monkeypatch, {"cluster", "capped"})
+    runs, setting, note = demo.run_torch(_args(), "cluster", "")
+    assert tried == ["cluster", "capped", "loopback"] and runs == [{"setting": "loopback"}]
+    assert setting == "loopback" and "capped setting could not be made" in note and "uncapped loopback" in note
+    assert capsys.readouterr().out.count("bagua-x demo on the digits") == 3
+
+
+def test_a_requested_setting_that_fails_is_an_error_not_a_fallback(monkeypatch):
+    tried = _job_fails_on(monkeypatch, {"cluster"})
+    with pytest.raises(SystemExit, match="setting up the namespaces failed"):
+        demo.run_torch(_args("--setting", "cluster"), "cluster", "")
+    assert tried == ["cluster"]

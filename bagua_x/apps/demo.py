@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,28 +54,52 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default="bagua_x_demo_out", help="where the table (JSON) and figure (PNG) go")
 
 
-def choose_setting(requested: str, rate: str) -> tuple[str, str, str]:
-    """(setting, its description, a note saying why not the cluster, or "")."""
+DESCRIBED = {"cluster": "2 nodes x 2 ranks, {rate} inter-node link (network namespaces)",
+             "capped": "4 ranks on one loopback capped at {rate}", "loopback": "4 ranks on uncapped loopback"}
+LOOPBACK_NOTE = ("the ranks talk over uncapped loopback, where communication is nearly free, so compression "
+                 "cannot pay off here; as root the demo runs on a 2-node cluster with a 1 Gbit/s link")
+
+
+def torch_title(args, setting: str) -> str:
+    return f"PyTorch: MLP 64-{args.hidden}-{args.hidden}-10, {DESCRIBED[setting].format(rate=args.link)}"
+
+
+def choose_setting(requested: str, rate: str) -> tuple[str, str]:
+    """(setting, a note saying why not the cluster, or "")."""
     why = cluster.missing_prerequisite()
     if requested == "cluster" and why:
         raise SystemExit(f"--setting cluster: {why}")
     if requested == "capped" and not can_cap():
         raise SystemExit("--setting capped needs root and iproute2 (ip, tc)")
     setting = requested if requested != "auto" else "cluster" if not why else "capped" if can_cap() else "loopback"
-    described = {"cluster": f"2 nodes x 2 ranks, {rate} inter-node link (network namespaces)",
-                 "capped": f"4 ranks on one loopback capped at {rate}",
-                 "loopback": "4 ranks on uncapped loopback"}[setting]
-    note = ""
     if setting == "capped" and requested == "auto":
-        note = f"note: no cluster here ({why}), so every link is capped at {rate}, intra-node ones too"
-    elif setting == "loopback":
-        note = ("note: the ranks talk over uncapped loopback, where communication is nearly free, so compression "
-                "cannot pay off here; as root the demo runs on a 2-node cluster with a 1 Gbit/s link")
-    return setting, described, note
+        return setting, f"note: no cluster here ({why}), so every link is capped at {rate}, intra-node ones too"
+    return setting, "note: " + LOOPBACK_NOTE if setting == "loopback" else ""
 
 
-def run_torch(args, setting: str) -> list[dict]:
-    """All algorithms in one torch job (``demo_torch``), on the chosen network; rank 0's runs."""
+def run_torch(args, setting: str, note: str) -> tuple[list, str, str]:
+    """All algorithms in one torch job (``demo_torch``): (rank 0's runs, the setting used, its note).
+
+    With ``--setting auto``, a network whose namespaces cannot be made here
+    (root without the right to make them, as in some containers) gives way to
+    the next one: cluster, then capped, then loopback.
+    """
+    while True:
+        print(f"bagua-x demo on the digits, target {args.target:.0%} held-out accuracy; {torch_title(args, setting)}")
+        if note:
+            print(note)
+        sys.stdout.flush()  # before the ranks' output
+        try:
+            return _torch_job(args, setting), setting, note
+        except (cluster.ClusterUnavailable, subprocess.CalledProcessError) as e:
+            if args.setting != "auto" or setting == "loopback":
+                raise SystemExit(f"bagua-x demo: {e}") from e
+            failed, setting = setting, "capped" if setting == "cluster" and can_cap() else "loopback"
+            note = f"note: the {failed} setting could not be made here ({e})" + (
+                f"; {LOOPBACK_NOTE}" if setting == "loopback" else "")
+
+
+def _torch_job(args, setting: str) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bagua_x_demo_") as tmp:
         path = os.path.join(tmp, "torch.json")
         argv = ["-m", "bagua_x.apps.demo_torch", "--json", path, "--steps", str(args.steps),
@@ -113,17 +138,13 @@ def main(args) -> int:
     if unknown:
         raise SystemExit(f"unknown algorithm {', '.join(sorted(unknown))}; choose from {', '.join(NAMES)}")
     started = time.monotonic()
-    setting, described, note = choose_setting(args.setting, args.link)
-    titles = {"torch": f"PyTorch: MLP 64-{args.hidden}-{args.hidden}-10, {described}",
-              "jax": f"JAX: MLP 64-128-10, 2 processes on uncapped loopback, {args.jax_steps} steps"}
+    setting, note = choose_setting(args.setting, args.link)
     runs = []
     if args.frontend in ("torch", "both"):
-        print(f"bagua-x demo on the digits, target {args.target:.0%} held-out accuracy; {titles['torch']}")
-        if note:
-            print(note)
-        sys.stdout.flush()  # before the ranks' output
-        runs += run_torch(args, setting)
+        runs, setting, note = run_torch(args, setting, note)
         print(f"  ({time.monotonic() - started:.0f} s so far)")
+    titles = {"torch": torch_title(args, setting),
+              "jax": f"JAX: MLP 64-128-10, 2 processes on uncapped loopback, {args.jax_steps} steps"}
     if args.frontend in ("jax", "both"):  # its workers drop gloo's C++ lines themselves (apps/quiet.py)
         print(titles["jax"], flush=True)
         runs += run_jax(args)
@@ -133,7 +154,7 @@ def main(args) -> int:
     plot(runs, titles, args.target, out / "demo.png")
     wall = time.monotonic() - started
     (out / "demo.json").write_text(json.dumps({
-        "setting": setting, "description": described, "link": args.link if setting != "loopback" else None,
+        "setting": setting, "description": titles["torch"], "link": args.link if setting != "loopback" else None,
         "note": note, "target_accuracy": args.target, "wall_s": wall, "runs": runs}, indent=1))
     print()
     print(table(runs, args.target))
