@@ -144,7 +144,8 @@ def main(args) -> int:
         runs, setting, note = run_torch(args, setting, note)
         print(f"  ({time.monotonic() - started:.0f} s so far)")
     titles = {"torch": torch_title(args, setting),
-              "jax": f"JAX: MLP 64-128-10, 2 processes on uncapped loopback, {args.jax_steps} steps"}
+              "jax": f"JAX: MLP 64-128-10, 2 processes on uncapped loopback, {args.jax_steps} steps "
+                     "(ms steps: a check that JAX trains, not a timing)"}
     if args.frontend in ("jax", "both"):  # its workers drop gloo's C++ lines themselves (apps/quiet.py)
         print(titles["jax"], flush=True)
         runs += run_jax(args)
