@@ -8,6 +8,7 @@ has no speedup, rather than an error.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Optional
 
@@ -66,7 +67,7 @@ def plot(runs: list[dict], titles: dict, target: float, path: Path) -> None:
             line, = ax.plot(seconds[k - 1:], smooth, label=label)
             if r["time_to_target_s"] is not None:
                 ax.axvline(r["time_to_target_s"], color=line.get_color(), alpha=0.4, linestyle=":")
-        ax.set_title(titles[frontend], fontsize=10)
+        ax.set_title(textwrap.fill(titles[frontend], 75), fontsize=9)
         ax.set_xlabel("training wall-clock time (s, slowest rank)")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
