@@ -2,9 +2,10 @@
 
     python benchmarks/torch_vs_ddp.py                       # GradientAllReduce vs DDP
     python benchmarks/torch_vs_ddp.py --algorithm bytegrad  # any bagua_x algorithm vs DDP
+    python benchmarks/torch_vs_ddp.py --model transformer   # a model of the zoo (benchmarks/zoo.py)
 
-Model: 12 x (Linear(1024, 1024) + ReLU) then Linear(1024, 10), batch 64 per
-rank, SGD with momentum, 2 gloo ranks on this machine, OMP_NUM_THREADS=1.
+Models: benchmarks/zoo.py (default the MLP, 12 x Linear(1024, 1024), batch 64
+per rank), SGD with momentum, 2 gloo ranks on this machine, OMP_NUM_THREADS=1.
 
 Time: one job runs DDP and bagua_x in interleaved rounds, so both see the same
 machine load, alternating which goes first (DDP then bagua_x, then bagua_x then
@@ -39,6 +40,8 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import zoo  # noqa: E402 -- benchmarks/zoo.py, next to this script (spawned ranks inherit sys.path)
+
 ALGORITHMS = ("allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "model_average", "qadam")
 
 
@@ -51,18 +54,14 @@ def make_algorithm(name: str):
     }[name]()
 
 
-def build(seed: int, system: str = "ddp", algorithm: str = "allreduce"):
+def build(seed: int, system: str = "ddp", algorithm: str = "allreduce", model_name: str = "mlp"):
     """The model and its optimizer; QAdam is compared with DDP + Adam (what it replaces)."""
     import torch
-    from torch import nn
 
     import bagua_x.torch as bxt
 
     torch.manual_seed(seed)
-    layers = []
-    for _ in range(12):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Linear(1024, 10))
+    model = zoo.build(model_name)
     if algorithm == "qadam":
         if system == "ddp":
             return model, torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -102,23 +101,22 @@ def timed(model, opt, x, y, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def _init(rank: int, nproc: int, port: int):
+def _init(rank: int, nproc: int, port: int, model_name: str):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
-    g = torch.Generator().manual_seed(rank)
-    return torch.randn(64, 1024, generator=g), torch.randint(0, 10, (64,), generator=g)
+    return zoo.batch(model_name, rank)
 
 
 def time_job(rank: int, nproc: int, port: int, args, results):
     import torch.distributed as dist
 
-    x, y = _init(rank, nproc, port)
+    x, y = _init(rank, nproc, port, args.model)
     systems = {}
     for system in ("ddp", "bagua_x"):
-        model, opt = build(seed=rank, system=system, algorithm=args.algorithm)
+        model, opt = build(seed=rank, system=system, algorithm=args.algorithm, model_name=args.model)
         systems[system] = (wrap_system(system, model, opt, args), opt)
     for model, opt in systems.values():  # warm-up: compiled kernels, allocator, first-step state, gloo connections
         timed(model, opt, x, y, args.warmup)
@@ -135,8 +133,8 @@ def time_job(rank: int, nproc: int, port: int, args, results):
 def memory_job(rank: int, nproc: int, port: int, args, results, system: str):
     import torch.distributed as dist
 
-    x, y = _init(rank, nproc, port)
-    model, opt = build(seed=rank, system=system, algorithm=args.algorithm)
+    x, y = _init(rank, nproc, port, args.model)
+    model, opt = build(seed=rank, system=system, algorithm=args.algorithm, model_name=args.model)
     before = _rss_mb()
     wrapped = wrap_system(system, model, opt, args)
     timed(wrapped, opt, x, y, args.warmup + args.steps)
@@ -183,6 +181,7 @@ def launch(fn, args, *extra):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="allreduce")
+    parser.add_argument("--model", choices=zoo.MODELS, default="mlp")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5)
@@ -192,11 +191,11 @@ def main():
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
-    result = {"algorithm": args.algorithm, "nproc": args.nproc}
+    result = {"algorithm": args.algorithm, "model": args.model, "nproc": args.nproc}
 
     times = launch(time_job, args)[0]
     med = {s: statistics.median(v) * 1000 for s, v in times.items()}
-    print(f"algorithm={args.algorithm} nproc={args.nproc} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
+    print(f"model={args.model} algorithm={args.algorithm} nproc={args.nproc} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
           f"rounds={args.rounds}x{args.steps} steps")
     for s, v in times.items():
         print(f"  {s:8s} step time: median {med[s]:7.1f} ms   rounds: {' '.join(f'{t * 1000:.1f}' for t in v)}")
