@@ -9,8 +9,10 @@ per rank), SGD with momentum, 2 gloo ranks on this machine, OMP_NUM_THREADS=1.
 
 Time: one job runs DDP and bagua_x in interleaved rounds, so both see the same
 machine load, alternating which goes first (DDP then bagua_x, then bagua_x then
-DDP, ...) so that neither always follows the other; the ratio is of the median
-per-round step times, taken on rank 0 after warm-up.
+DDP, ...) so that neither always follows the other; the ratio is the median
+over rounds of each round's bagua_x/DDP step-time ratio (the two were timed
+back to back, so load that drifts between rounds cancels), on rank 0 after
+warm-up.  The milliseconds shown are the median per-round step times.
 
 Memory: torch has no allocator statistics on CPU, and a process's peak RSS
 (``ru_maxrss``) cannot be split between two systems living in one process.
@@ -25,6 +27,14 @@ larger rank's values, against DDP both as most users run it
 (``gradient_as_bucket_view=False``: buckets and gradients are separate) and in
 its zero-copy mode (``gradient_as_bucket_view=True``, what a memory-minded user
 sets).  ``--ddp-bucket-view`` makes the timed DDP use the zero-copy mode too.
+
+Limit (``--limit``, for compressing algorithms on a capped link): the rounds
+also time the bare model (no data parallelism: compute only), and after them
+a gloo allreduce of 16 MB measures the link rate (bytes each rank sends per
+second, ring allreduce).  The limit of a step is compute-only time + the bytes
+each rank sends per step (``algorithm.wire_bytes`` over the buckets) / that
+rate: computing and sending the compressed bytes at the link's rate, one after
+the other, with nothing else in the way.
 """
 
 from __future__ import annotations
@@ -76,6 +86,8 @@ def wrap_system(system: str, model, opt, args):
 
     if system == "ddp":
         return DDP(model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.ddp_bucket_view)
+    if system == "compute":
+        return model
     if system == "ddp_bucket_view":
         return DDP(model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True)
     algorithm = None if args.algorithm == "qadam" else make_algorithm(args.algorithm)  # QAdam: the optimizer's
@@ -115,8 +127,9 @@ def time_job(rank: int, nproc: int, port: int, args, results):
 
     x, y = _init(rank, nproc, port, args.model)
     systems = {}
-    for system in ("ddp", "bagua_x"):
-        model, opt = build(seed=rank, system=system, algorithm=args.algorithm, model_name=args.model)
+    for system in ("ddp", "bagua_x", *(("compute",) if args.limit else ())):
+        model, opt = build(seed=rank, system="bagua_x" if system == "bagua_x" else "ddp", algorithm=args.algorithm,
+                           model_name=args.model)
         systems[system] = (wrap_system(system, model, opt, args), opt)
     for model, opt in systems.values():  # warm-up: compiled kernels, allocator, first-step state, gloo connections
         timed(model, opt, x, y, args.warmup)
@@ -125,9 +138,30 @@ def time_job(rank: int, nproc: int, port: int, args, results):
         order = list(systems.items())
         for system, (model, opt) in order if round_ % 2 == 0 else order[::-1]:
             times[system].append(timed(model, opt, x, y, args.steps))
+    if args.limit:
+        wrapped = systems["bagua_x"][0]
+        wire = sum(wrapped.algorithm.wire_bytes(b.layout, b.itemsize, nproc) for b in wrapped.buckets)
+        times.update(wire_bytes=wire, link_bytes_per_s=link_rate(nproc))
     results.put((rank, times))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def link_rate(nproc: int, nbytes: int = 16 * 2**20, reps: int = 3) -> float:
+    """Bytes each rank sends per second in a gloo ring allreduce of ``nbytes`` (after one warm-up)."""
+    import torch
+    import torch.distributed as dist
+
+    from bagua_x.algorithms.base import ring_allreduce_bytes
+
+    t = torch.zeros(nbytes // 4)
+    dist.all_reduce(t)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(reps):
+        dist.all_reduce(t)
+    dist.barrier()
+    return ring_allreduce_bytes(t.numel(), 4, nproc) * reps / (time.perf_counter() - start)
 
 
 def memory_job(rank: int, nproc: int, port: int, args, results, system: str):
@@ -189,18 +223,28 @@ def main():
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--ddp-bucket-view", action="store_true", help="DDP with gradient_as_bucket_view=True")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--limit", action="store_true", help="also time compute only and the link: the step's limit")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     result = {"algorithm": args.algorithm, "model": args.model, "nproc": args.nproc}
 
     times = launch(time_job, args)[0]
+    wire, rate = times.pop("wire_bytes", None), times.pop("link_bytes_per_s", None)
     med = {s: statistics.median(v) * 1000 for s, v in times.items()}
     print(f"model={args.model} algorithm={args.algorithm} nproc={args.nproc} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
           f"rounds={args.rounds}x{args.steps} steps")
     for s, v in times.items():
         print(f"  {s:8s} step time: median {med[s]:7.1f} ms   rounds: {' '.join(f'{t * 1000:.1f}' for t in v)}")
-    print(f"  time ratio bagua_x/DDP: {med['bagua_x'] / med['ddp']:.3f}")
-    result.update(ddp_ms=med["ddp"], bagua_x_ms=med["bagua_x"], time_ratio=med["bagua_x"] / med["ddp"])
+    ratio = statistics.median(b / d for b, d in zip(times["bagua_x"], times["ddp"]))
+    print(f"  time ratio bagua_x/DDP (median of per-round ratios): {ratio:.3f}")
+    result.update(ddp_ms=med["ddp"], bagua_x_ms=med["bagua_x"], time_ratio=ratio)
+    if args.limit:
+        limit = med["compute"] + wire / rate * 1000
+        limit_ratio = statistics.median(b / (c + wire / rate) for b, c in zip(times["bagua_x"], times["compute"]))
+        print(f"  limit: compute only {med['compute']:.1f} ms + {wire / 2**20:.2f} MiB sent per rank / "
+              f"{rate * 8 / 1e6:.0f} Mbit/s measured = {limit:.1f} ms; bagua_x/limit: {limit_ratio:.3f}")
+        result.update(compute_ms=med["compute"], wire_bytes=wire, link_bytes_per_s=rate, limit_ms=limit,
+                      limit_ratio=limit_ratio)
     if not args.skip_memory:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned ranks
         mem = {s: max(launch(memory_job, args, s).values()) for s in ("ddp", "ddp_bucket_view", "bagua_x")}

@@ -6,9 +6,13 @@
   (vocabulary 8192, width 256, 4 heads, MLP 1024) -- 11.6M parameters in 148 tensors, most of
   them small (LayerNorm, biases): per-tensor overheads in the gradient hooks show here.
 * ``resnet``: a CIFAR-shaped ResNet (width 32..256, 2 basic blocks per stage, BatchNorm,
-  projection shortcuts) -- 2.8M parameters in 62 tensors, BatchNorm buffers broadcast
-  every forward, and shortcut convolutions whose gradients are ready in a different order
-  than the parameters are registered in.
+  projection shortcuts) -- 2.8M parameters in 62 tensors, compute-heavy convolutions, and
+  BatchNorm buffers broadcast before every forward.
+
+In all three, gradients become ready in reverse registration order up to a layer's weight
+and bias swapping places, so rebuilding buckets in ready order (bagua_x.torch.bucket_order,
+DDP's rebuild) moves no tensor to another bucket here; tests/torch/test_torch_bucket_order.py
+has a model where it does.
 
 Each model is built from ``torch.nn`` primitives, so every tensor is visible to the hooks
 (``nn.Transformer`` would hide attention's weights in fused parameters).  ``batch(model, rank)``

@@ -175,7 +175,8 @@ class GradientEngine:
         self._order = order
         self._set_buckets(ordered(self._tensors, order))
         check_same_buckets(self.buckets, {"gradient bucket order": "rebuilt" if order else "registration"},
-                           self.comm, "bagua_x: gradient buckets rebuilt in ready order differ across ranks")
+                           self.comm, "bagua_x: gradient buckets rebuilt in ready order differ across ranks",
+                           kind="grad_order")
 
     def _mark_unused(self) -> torch.Tensor:
         """Mark parameters that got no gradient ready (communicating a zero, or a kept, gradient).
