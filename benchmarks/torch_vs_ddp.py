@@ -231,8 +231,8 @@ def main():
     times = launch(time_job, args)[0]
     wire, rate = times.pop("wire_bytes", None), times.pop("link_bytes_per_s", None)
     med = {s: statistics.median(v) * 1000 for s, v in times.items()}
-    print(f"model={args.model} algorithm={args.algorithm} nproc={args.nproc} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
-          f"rounds={args.rounds}x{args.steps} steps")
+    print(f"model={args.model} algorithm={args.algorithm} nproc={args.nproc} "
+          f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} rounds={args.rounds}x{args.steps} steps")
     for s, v in times.items():
         print(f"  {s:8s} step time: median {med[s]:7.1f} ms   rounds: {' '.join(f'{t * 1000:.1f}' for t in v)}")
     ratio = statistics.median(b / d for b, d in zip(times["bagua_x"], times["ddp"]))

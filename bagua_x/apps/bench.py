@@ -70,7 +70,8 @@ def measure(args) -> list[dict]:
         if what == "jax":
             r = _run([sys.executable, str(bench / "jax_vs_pmean.py"), "--iters", "10" if args.quick else "20"],
                      link, bench)
-            for setting, key in (("1 process x 4 devices", "single_process"), ("2 processes x 2 devices", "two_processes")):
+            for setting, key in (("1 process x 4 devices", "single_process"),
+                                 ("2 processes x 2 devices", "two_processes")):
                 for row in r[key]:
                     rows.append({"frontend": "jax", "link": name, "model": row["tree"],
                                  "what": f"GradientAllReduce, {setting}", "baseline": "per-leaf pmean",

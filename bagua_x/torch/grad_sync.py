@@ -151,7 +151,8 @@ class GradientEngine:
                                        self.check_finite, "gradient")
 
     def _finish(self) -> None:
-        """End of backward: handle unused parameters, rebuild after the first, wait for every bucket, reset readiness."""
+        """End of backward: handle unused parameters, rebuild after the first backward, wait for every
+        bucket, reset readiness."""
         try:
             without_grad = self._mark_unused() if self.find_unused else None
             if self._recorded is not None:
@@ -170,7 +171,7 @@ class GradientEngine:
             self._dispatcher.reset()
 
     def _rebuild(self, order: Optional[list[str]]) -> None:
-        """Buckets in ``order`` (None: registration order, and record again at the next backward), checked across ranks."""
+        """Buckets in ``order``, checked across ranks (None: registration order, and record the next backward's)."""
         self._recorded = None if order is not None else []
         self._order = order
         self._set_buckets(ordered(self._tensors, order))
