@@ -2,14 +2,17 @@
 
     python benchmarks/torch_vs_ddp.py                       # GradientAllReduce vs DDP
     python benchmarks/torch_vs_ddp.py --algorithm bytegrad  # any bagua_x algorithm vs DDP
+    python benchmarks/torch_vs_ddp.py --model transformer   # a model of the zoo (benchmarks/zoo.py)
 
-Model: 12 x (Linear(1024, 1024) + ReLU) then Linear(1024, 10), batch 64 per
-rank, SGD with momentum, 2 gloo ranks on this machine, OMP_NUM_THREADS=1.
+Models: benchmarks/zoo.py (default the MLP, 12 x Linear(1024, 1024), batch 64
+per rank), SGD with momentum, 2 gloo ranks on this machine, OMP_NUM_THREADS=1.
 
 Time: one job runs DDP and bagua_x in interleaved rounds, so both see the same
 machine load, alternating which goes first (DDP then bagua_x, then bagua_x then
-DDP, ...) so that neither always follows the other; the ratio is of the median
-per-round step times, taken on rank 0 after warm-up.
+DDP, ...) so that neither always follows the other; the ratio is the median
+over rounds of each round's bagua_x/DDP step-time ratio (the two were timed
+back to back, so load that drifts between rounds cancels), on rank 0 after
+warm-up.  The milliseconds shown are the median per-round step times.
 
 Memory: torch has no allocator statistics on CPU, and a process's peak RSS
 (``ru_maxrss``) cannot be split between two systems living in one process.
@@ -24,6 +27,14 @@ larger rank's values, against DDP both as most users run it
 (``gradient_as_bucket_view=False``: buckets and gradients are separate) and in
 its zero-copy mode (``gradient_as_bucket_view=True``, what a memory-minded user
 sets).  ``--ddp-bucket-view`` makes the timed DDP use the zero-copy mode too.
+
+Limit (``--limit``, for compressing algorithms on a capped link): the rounds
+also time the bare model (no data parallelism: compute only), and after them
+a gloo allreduce of 16 MB measures the link rate (bytes each rank sends per
+second, ring allreduce).  The limit of a step is compute-only time + the bytes
+each rank sends per step (``algorithm.wire_bytes`` over the buckets) / that
+rate: computing and sending the compressed bytes at the link's rate, one after
+the other, with nothing else in the way.
 """
 
 from __future__ import annotations
@@ -39,6 +50,8 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import zoo  # noqa: E402 -- benchmarks/zoo.py, next to this script (spawned ranks inherit sys.path)
+
 ALGORITHMS = ("allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "model_average", "qadam")
 
 
@@ -51,18 +64,14 @@ def make_algorithm(name: str):
     }[name]()
 
 
-def build(seed: int, system: str = "ddp", algorithm: str = "allreduce"):
+def build(seed: int, system: str = "ddp", algorithm: str = "allreduce", model_name: str = "mlp"):
     """The model and its optimizer; QAdam is compared with DDP + Adam (what it replaces)."""
     import torch
-    from torch import nn
 
     import bagua_x.torch as bxt
 
     torch.manual_seed(seed)
-    layers = []
-    for _ in range(12):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Linear(1024, 10))
+    model = zoo.build(model_name)
     if algorithm == "qadam":
         if system == "ddp":
             return model, torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -77,6 +86,8 @@ def wrap_system(system: str, model, opt, args):
 
     if system == "ddp":
         return DDP(model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.ddp_bucket_view)
+    if system == "compute":
+        return model
     if system == "ddp_bucket_view":
         return DDP(model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True)
     algorithm = None if args.algorithm == "qadam" else make_algorithm(args.algorithm)  # QAdam: the optimizer's
@@ -102,23 +113,23 @@ def timed(model, opt, x, y, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def _init(rank: int, nproc: int, port: int):
+def _init(rank: int, nproc: int, port: int, model_name: str):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
-    g = torch.Generator().manual_seed(rank)
-    return torch.randn(64, 1024, generator=g), torch.randint(0, 10, (64,), generator=g)
+    return zoo.batch(model_name, rank)
 
 
 def time_job(rank: int, nproc: int, port: int, args, results):
     import torch.distributed as dist
 
-    x, y = _init(rank, nproc, port)
+    x, y = _init(rank, nproc, port, args.model)
     systems = {}
-    for system in ("ddp", "bagua_x"):
-        model, opt = build(seed=rank, system=system, algorithm=args.algorithm)
+    for system in ("ddp", "bagua_x", *(("compute",) if args.limit else ())):
+        model, opt = build(seed=rank, system="bagua_x" if system == "bagua_x" else "ddp", algorithm=args.algorithm,
+                           model_name=args.model)
         systems[system] = (wrap_system(system, model, opt, args), opt)
     for model, opt in systems.values():  # warm-up: compiled kernels, allocator, first-step state, gloo connections
         timed(model, opt, x, y, args.warmup)
@@ -127,16 +138,37 @@ def time_job(rank: int, nproc: int, port: int, args, results):
         order = list(systems.items())
         for system, (model, opt) in order if round_ % 2 == 0 else order[::-1]:
             times[system].append(timed(model, opt, x, y, args.steps))
+    if args.limit:
+        wrapped = systems["bagua_x"][0]
+        wire = sum(wrapped.algorithm.wire_bytes(b.layout, b.itemsize, nproc) for b in wrapped.buckets)
+        times.update(wire_bytes=wire, link_bytes_per_s=link_rate(nproc))
     results.put((rank, times))
     dist.barrier()
     dist.destroy_process_group()
 
 
+def link_rate(nproc: int, nbytes: int = 16 * 2**20, reps: int = 3) -> float:
+    """Bytes each rank sends per second in a gloo ring allreduce of ``nbytes`` (after one warm-up)."""
+    import torch
+    import torch.distributed as dist
+
+    from bagua_x.algorithms.base import ring_allreduce_bytes
+
+    t = torch.zeros(nbytes // 4)
+    dist.all_reduce(t)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(reps):
+        dist.all_reduce(t)
+    dist.barrier()
+    return ring_allreduce_bytes(t.numel(), 4, nproc) * reps / (time.perf_counter() - start)
+
+
 def memory_job(rank: int, nproc: int, port: int, args, results, system: str):
     import torch.distributed as dist
 
-    x, y = _init(rank, nproc, port)
-    model, opt = build(seed=rank, system=system, algorithm=args.algorithm)
+    x, y = _init(rank, nproc, port, args.model)
+    model, opt = build(seed=rank, system=system, algorithm=args.algorithm, model_name=args.model)
     before = _rss_mb()
     wrapped = wrap_system(system, model, opt, args)
     timed(wrapped, opt, x, y, args.warmup + args.steps)
@@ -183,6 +215,7 @@ def launch(fn, args, *extra):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="allreduce")
+    parser.add_argument("--model", choices=zoo.MODELS, default="mlp")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5)
@@ -190,18 +223,28 @@ def main():
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--ddp-bucket-view", action="store_true", help="DDP with gradient_as_bucket_view=True")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--limit", action="store_true", help="also time compute only and the link: the step's limit")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
-    result = {"algorithm": args.algorithm, "nproc": args.nproc}
+    result = {"algorithm": args.algorithm, "model": args.model, "nproc": args.nproc}
 
     times = launch(time_job, args)[0]
+    wire, rate = times.pop("wire_bytes", None), times.pop("link_bytes_per_s", None)
     med = {s: statistics.median(v) * 1000 for s, v in times.items()}
-    print(f"algorithm={args.algorithm} nproc={args.nproc} OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
-          f"rounds={args.rounds}x{args.steps} steps")
+    print(f"model={args.model} algorithm={args.algorithm} nproc={args.nproc} "
+          f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} rounds={args.rounds}x{args.steps} steps")
     for s, v in times.items():
         print(f"  {s:8s} step time: median {med[s]:7.1f} ms   rounds: {' '.join(f'{t * 1000:.1f}' for t in v)}")
-    print(f"  time ratio bagua_x/DDP: {med['bagua_x'] / med['ddp']:.3f}")
-    result.update(ddp_ms=med["ddp"], bagua_x_ms=med["bagua_x"], time_ratio=med["bagua_x"] / med["ddp"])
+    ratio = statistics.median(b / d for b, d in zip(times["bagua_x"], times["ddp"]))
+    print(f"  time ratio bagua_x/DDP (median of per-round ratios): {ratio:.3f}")
+    result.update(ddp_ms=med["ddp"], bagua_x_ms=med["bagua_x"], time_ratio=ratio)
+    if args.limit:
+        limit = med["compute"] + wire / rate * 1000
+        limit_ratio = statistics.median(b / (c + wire / rate) for b, c in zip(times["bagua_x"], times["compute"]))
+        print(f"  limit: compute only {med['compute']:.1f} ms + {wire / 2**20:.2f} MiB sent per rank / "
+              f"{rate * 8 / 1e6:.0f} Mbit/s measured = {limit:.1f} ms; bagua_x/limit: {limit_ratio:.3f}")
+        result.update(compute_ms=med["compute"], wire_bytes=wire, link_bytes_per_s=rate, limit_ms=limit,
+                      limit_ratio=limit_ratio)
     if not args.skip_memory:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned ranks
         mem = {s: max(launch(memory_job, args, s).values()) for s in ("ddp", "ddp_bucket_view", "bagua_x")}

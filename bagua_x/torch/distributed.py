@@ -26,7 +26,9 @@ __all__ = ["ensure_initialized", "check_same_model", "check_same_buckets", "broa
 
 log = logging.getLogger(__name__)
 
-_bucket_checks = itertools.count()  # rebuilds happen in the same order on every rank
+# per kind of rebuild, rebuilds happen in the same order on every rank; separate counters keep a rank that
+# skipped one kind (QAdam's switch, the first-step reorder) from pairing its check with another kind's
+_bucket_checks: dict = defaultdict(itertools.count)
 
 
 def ensure_initialized(module: torch.nn.Module) -> None:
@@ -91,7 +93,8 @@ def allgather_bytes(data: bytes, group: Optional[dist.ProcessGroup]) -> list[byt
     return [bytes(row[: int(n)].cpu().numpy()) for row, n in zip(rows, lengths)]
 
 
-def check_same_buckets(buckets: Sequence[Bucket], settings: dict, comm: "TorchCommunicator", context: str) -> None:
+def check_same_buckets(buckets: Sequence[Bucket], settings: dict, comm: "TorchCommunicator", context: str,
+                       kind: str = "buckets") -> None:
     """Raise the same BaguaXError on every rank if ranks built different buckets (e.g. when rebuilding them).
 
     The descriptions travel through the store, not a collective: a rank that
@@ -102,7 +105,7 @@ def check_same_buckets(buckets: Sequence[Bucket], settings: dict, comm: "TorchCo
     layouts = {b.name: b.layout.describe() for b in buckets}
     mine = describe(tensors, {**settings, **layouts})
     timeout = comm.timeout if comm.timeout is not None else resolve_timeout(None, comm.group)
-    gathered = store_allgather(f"buckets/{next(_bucket_checks)}", encode(mine), comm.group, timeout, context)
+    gathered = store_allgather(f"{kind}/{next(_bucket_checks[kind])}", encode(mine), comm.group, timeout, context)
     ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else range(len(gathered))
     everyone = [decode_description(data, f"{context}: rank {r}'s description") for r, data in zip(ranks, gathered)]
     check_same_everywhere(everyone, context)

@@ -23,7 +23,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from ..core.errors import BaguaXError
 
-__all__ = ["resolve_timeout", "restart_count", "store_allgather"]
+__all__ = ["resolve_timeout", "restart_count", "store_allgather", "store_broadcast"]
 
 
 
@@ -59,10 +59,34 @@ def store_allgather(tag: str, data: bytes, group: Optional[dist.ProcessGroup], t
     occurrence (e.g. a rebuild counter), the same on every rank; ``what``
     starts the error messages.
     """
+    store, ranks, keys = _keys(tag, group)
+    store.set(keys[ranks.index(dist.get_rank())], data)
+    _wait(store, ranks, keys, timeout, what)
+    return [store.get(k) for k in keys]
+
+
+def store_broadcast(tag: str, data: Optional[bytes], group: Optional[dist.ProcessGroup], timeout: float,
+                    what: str) -> bytes:
+    """The group's first rank's ``data`` on every rank, through the store (others pass None).
+
+    One key, read by every rank, instead of :func:`store_allgather`'s one key
+    per rank read by every rank: a value only one rank decides (e.g. an order
+    of buckets) costs O(ranks), not O(ranks^2).  Same ``tag`` rules.
+    """
+    store, ranks, keys = _keys(tag, group)
+    if dist.get_rank() == ranks[0]:
+        store.set(keys[0], data)
+    _wait(store, ranks[:1], keys[:1], timeout, what)
+    return store.get(keys[0])
+
+
+def _keys(tag: str, group: Optional[dist.ProcessGroup]):
     store = c10d._get_default_store()
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    keys = [f"bagua_x/check/{restart_count()}/{tag}/{r}" for r in ranks]
-    store.set(keys[ranks.index(dist.get_rank())], data)
+    return store, ranks, [f"bagua_x/check/{restart_count()}/{tag}/{r}" for r in ranks]
+
+
+def _wait(store, ranks: list[int], keys: list[str], timeout: float, what: str) -> None:
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except Exception as e:  # noqa: BLE001 -- a store timeout is a RuntimeError or a DistStoreError
@@ -77,4 +101,3 @@ def store_allgather(tag: str, data: bytes, group: Optional[dist.ProcessGroup], t
             f"{what}: ranks {missing} did not arrive within {timeout:g} s ({type(e).__name__}); they died, hang, or "
             "are at a different step (e.g. resumed from a different checkpoint)"
         ) from e
-    return [store.get(k) for k in keys]

@@ -27,14 +27,18 @@ def _batch(rank, step):
     return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
 
 
-def _build(name, kwargs, seed):
+def _build(name, kwargs, seed, model_name):
     import torch
 
     from bagua_x import algorithms
     import bagua_x.torch as bxt
+    from bx_bucket_order_workers import out_of_order_model
 
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    if model_name == "out_of_order":  # buckets rebuilt after the first step: the checkpoint keeps their order
+        model = out_of_order_model(torch.distributed.get_rank())
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     if name == "QAdam":
         opt = bxt.QAdamOptimizer(model.parameters(), lr=1e-2, **kwargs)
         wrapped = bxt.wrap(model, opt, bucket_cap_mb=1e-3)  # several buckets
@@ -58,16 +62,16 @@ def _params(model):
     return [p.detach().clone().numpy() for p in model.parameters()]
 
 
-def uninterrupted_and_first_part(name, kwargs, total, k, directory):
+def uninterrupted_and_first_part(name, kwargs, total, k, directory, model_name="mlp"):
     import torch
 
     rank, _ = _init()
-    model, opt, wrapped = _build(name, kwargs, seed=rank)
+    model, opt, wrapped = _build(name, kwargs, seed=rank, model_name=model_name)
     _train(wrapped, opt, rank, range(total))
     wrapped.shutdown()
     final = _params(model)
 
-    model, opt, wrapped = _build(name, kwargs, seed=rank)
+    model, opt, wrapped = _build(name, kwargs, seed=rank, model_name=model_name)
     _train(wrapped, opt, rank, range(k))
     path = os.path.join(directory, f"rank{rank}.pt")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
@@ -91,9 +95,10 @@ def _load(wrapped, opt, path):
     wrapped.load_algorithm_state_dict(saved["algorithm"])
 
 
-def resume(name, kwargs, total, k, directory):
+def resume(name, kwargs, total, k, directory, model_name="mlp"):
     rank, _ = _init()
-    model, opt, wrapped = _build(name, kwargs, seed=100 + rank)  # other initial weights: loading must win
+    # other initial weights: loading must win
+    model, opt, wrapped = _build(name, kwargs, seed=100 + rank, model_name=model_name)
     _load(wrapped, opt, os.path.join(directory, f"rank{rank}.pt"))
     _train(wrapped, opt, rank, range(k, total))
     wrapped.shutdown()

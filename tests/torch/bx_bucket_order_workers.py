@@ -1,0 +1,90 @@
+"""Workers for the bucket rebuild after the first backward (import name ``bx_bucket_order_workers``).
+
+The model runs its branches in an order that is neither its definition
+order nor the same on every rank, so the ready order differs from the
+registration order and across ranks: the rebuilt buckets must follow rank 0's.
+"""
+
+from __future__ import annotations
+
+
+def _init():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def out_of_order_model(rank: int):
+    """The head is defined first but used last; rank 0 runs branches a, b, c and rank 1 c, b, a."""
+    import torch
+    from torch import nn
+
+    class OutOfOrder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(16, 4)
+            self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(8, 16)
+
+        def forward(self, x):
+            branches = [self.a, self.b, self.c] if rank == 0 else [self.c, self.b, self.a]
+            h = torch.zeros(x.shape[0], 16)
+            for branch in branches:
+                h = h + torch.tanh(branch(x))
+            return self.head(h)
+
+    return OutOfOrder()
+
+
+def _batch(rank: int, step: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+def _step(model, opt, rank, step):
+    import torch.nn.functional as F
+
+    x, y = _batch(rank, step)
+    opt.zero_grad(set_to_none=True)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def order_after_first_step(steps=3):
+    """Each rank's own ready order, its bucket order after each step, the saved order, and DDP parity."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bagua_x.torch as bxt
+    from bx_torch_workers import grads_are_bucket_views
+
+    rank, _ = _init()
+    torch.manual_seed(rank)  # different initial weights: wrap broadcasts rank 0's
+    model = out_of_order_model(rank)
+    names = {p: n for n, p in model.named_parameters()}
+    ready: list[str] = []
+    for p in model.parameters():  # registered before wrap's hooks, so they see the same order
+        p.register_post_accumulate_grad_hook(lambda p: ready.append(names[p]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    wrapped = bxt.wrap(model, opt, bucket_cap_mb=3e-4)  # a bucket per one or two tensors
+    before = [t.name for b in wrapped.buckets for t in b.tensors]
+    orders, views = [], []
+    for s in range(steps):
+        _step(wrapped, opt, rank, s)
+        orders.append([t.name for b in wrapped.buckets for t in b.tensors])
+        views.append(grads_are_bucket_views(wrapped))
+    saved = wrapped.algorithm_state_dict().get("bucket_order")
+    wrapped.shutdown()
+
+    torch.manual_seed(rank)
+    ref = out_of_order_model(rank)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    ddp = DDP(ref, bucket_cap_mb=3e-4)
+    for s in range(steps):
+        _step(ddp, ref_opt, rank, s)
+    diff = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
+    return {"ready": ready[: len(names)], "before": before, "orders": orders, "saved": saved, "views": views,
+            "ddp_diff": diff, "buckets": len(wrapped.buckets)}

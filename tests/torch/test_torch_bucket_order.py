@@ -1,0 +1,27 @@
+"""Gradient buckets are rebuilt once, after the first backward, in rank 0's ready order (2 gloo ranks).
+
+The model's branches run in another order than they are defined in, and in
+a different order on each rank; the rebuilt buckets must follow rank 0's
+order on every rank, stay bucket views, be kept in the algorithm state dict,
+and training must still match DDP.  (Resuming with the rebuilt order:
+test_torch_checkpoint.py's ``PowerSGDOutOfOrder``.)
+"""
+
+import os
+
+from launch import run_workers
+
+ENV = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+
+
+def test_buckets_follow_rank_0s_ready_order_after_the_first_step():
+    r0, r1 = run_workers("bx_bucket_order_workers:order_after_first_step", nproc=2, timeout=120, env=ENV)
+    assert r0["ready"] != r1["ready"], "the ranks' ready orders should differ, or the test shows nothing"
+    assert r0["before"] == r1["before"] != r0["ready"], "registration order should differ from the ready order"
+    assert set(r0["ready"][:2]) == {"head.weight", "head.bias"}  # defined first, used last: ready first
+    for out in (r0, r1):
+        assert out["orders"] == [r0["ready"]] * len(out["orders"]), "buckets must follow rank 0's first order"
+        assert out["saved"] == r0["ready"]
+        assert all(out["views"]), out["views"]
+        assert out["buckets"] > 2
+        assert out["ddp_diff"] <= 1e-6, out["ddp_diff"]
