@@ -4,8 +4,8 @@
         python benchmarks/cluster_step.py [--algorithms bytegrad qadam] [--json OUT]
 
 Every rank (launched by torchrun inside its node's network namespace) builds
-the model of ``torch_vs_ddp.py`` (12 x Linear(1024, 1024), batch 64 per rank;
-QAdam against DDP + Adam) once per system: DDP, then each algorithm with
+a model of ``zoo.py`` (``--model``, as ``torch_vs_ddp.py`` does; QAdam against
+DDP + Adam) once per system: DDP, then each algorithm with
 ``hierarchical=False`` and at its default (hierarchical on >= 2 nodes of >= 2
 ranks).  The systems run in interleaved rounds, the order reversed every
 other round, so all see the same machine load; rank 0 prints the median step
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_vs_ddp as bench  # noqa: E402  (the model, the optimizer and the timing loop)
 
 
-def build_system(name: str, seed: int, bucket_cap_mb: float):
+def build_system(name: str, seed: int, bucket_cap_mb: float, model_name: str):
     """``(model, optimizer)`` of one system: ``ddp``, ``ddp_adam`` or ``<algorithm>/<flat|hierarchical>``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -34,11 +34,11 @@ def build_system(name: str, seed: int, bucket_cap_mb: float):
     from bagua_x import algorithms as A
 
     if name.startswith("ddp"):
-        model, opt = bench.build(seed, "ddp", "qadam" if name == "ddp_adam" else "allreduce")
+        model, opt = bench.build(seed, "ddp", "qadam" if name == "ddp_adam" else "allreduce", model_name)
         return DDP(model, bucket_cap_mb=bucket_cap_mb), opt
     algorithm, mode = name.split("/")
     hierarchical = None if mode == "hierarchical" else False
-    model, opt = bench.build(seed, "bagua_x", algorithm)
+    model, opt = bench.build(seed, "bagua_x", algorithm, model_name)
     if algorithm == "qadam":  # the algorithm is the optimizer's
         opt = bxt.QAdamOptimizer(model.parameters(), lr=1e-4, warmup_steps=2, hierarchical=hierarchical)
         return bxt.wrap(model, opt, bucket_cap_mb=bucket_cap_mb), opt
@@ -54,6 +54,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", default=["bytegrad", "qadam"],
                         choices=["allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam"])
+    parser.add_argument("--model", choices=["mlp", "transformer", "resnet"], default="mlp")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
@@ -64,11 +65,10 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(64, 1024, generator=g), torch.randint(0, 10, (64,), generator=g)
+    x, y = bench.zoo.batch(args.model, rank)
     names = ["ddp"] + (["ddp_adam"] if "qadam" in args.algorithms else [])
     names += [f"{a}/{mode}" for a in args.algorithms for mode in ("flat", "hierarchical")]
-    systems = {n: build_system(n, rank, args.bucket_cap_mb) for n in names}
+    systems = {n: build_system(n, rank, args.bucket_cap_mb, args.model) for n in names}
     times = {n: [] for n in names}
     for model, opt in systems.values():
         bench.timed(model, opt, x, y, args.warmup)
@@ -78,7 +78,7 @@ def main():
     if rank == 0:
         ms = {n: statistics.median(v) * 1000 for n, v in times.items()}
         baseline = lambda n: ms["ddp_adam" if n.startswith("qadam") else "ddp"]  # noqa: E731
-        result = {"world": dist.get_world_size(), "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        result = {"model": args.model, "world": dist.get_world_size(), "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                   "ms": ms,
                   "ratio_to_ddp": {n: ms[n] / baseline(n) for n in names if "/" in n}}
         print(json.dumps(result), flush=True)
