@@ -1,10 +1,9 @@
-"""The ``bagua-x`` command: ``demo`` trains with every algorithm in both frontends; ``bench`` measures speed;
+"""The ``bagua-x`` command: ``demo`` times every algorithm to a target accuracy on a slow link; ``bench`` measures speed;
 ``cluster`` runs a script on several network-namespace "nodes" of this machine joined by capped links."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -14,7 +13,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     from .apps import bench, cluster, demo
 
-    demo.add_arguments(sub.add_parser("demo", help="train a small classifier with every algorithm, both frontends"))
+    demo.add_arguments(sub.add_parser(
+        "demo", help="loss against wall-clock time for every algorithm, on a 1 Gbit/s 2-node cluster as root"))
     bench.add_arguments(sub.add_parser("bench", help="run the benchmarks of benchmarks/ and print ratios"))
     cluster.add_arguments(sub.add_parser(
         "cluster", help="run a script on N nodes (network namespaces, capped inter-node links) x P ranks; root only",
@@ -24,10 +24,6 @@ def main(argv=None) -> int:
         return cluster.main(args)
     if args.command == "bench":
         return bench.main(args)
-    if args.bandwidth and "BAGUA_X_LINK" not in os.environ:
-        from .apps.launch import rerun_in_capped_namespace
-
-        return rerun_in_capped_namespace(args.bandwidth, argv)
     return demo.main(args)
 
 

@@ -5,7 +5,8 @@
 Rank 0 sends MB megabytes to rank 1 (same node, loopback) and to the first
 rank of node 1 (across the capped veth), and every rank allreduces MB/2
 megabytes flat (gloo ring over all ranks) and hierarchically (bagua_x:
-node-local reduce, leaders' allreduce, node-local broadcast), and each of the hierarchical steps alone.  Rank 0 prints
+reduce-scatter inside the node, allreduce of each rank's shard across nodes,
+allgather inside the node), and each of the hierarchical steps alone.  Rank 0 prints
 one JSON line, with the node's veth byte counters to show that only
 inter-node traffic crosses the veth.
 """
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import bagua_x.torch as bxt
+from bagua_x.algorithms import GradientAllReduce
 from bagua_x.core import ReduceOp
 
 
@@ -71,17 +73,15 @@ def main():
     res["inter_node_mb_per_s"] = args.mb / res["inter_node_s"]
     half = torch.ones(int(args.mb * 1e6 / 8))
     comm = bxt.TorchCommunicator()
-    comm.enable_hierarchical()
+    comm.enable_hierarchical(required=True)
+    two_level = GradientAllReduce(average=False, hierarchical=True)
     res["allreduce_mb"] = args.mb / 2
     res["flat_allreduce_s"] = timed(lambda: dist.all_reduce(half), args.reps)
-    res["hierarchical_allreduce_s"] = timed(lambda: comm.hierarchical_allreduce(half, ReduceOp.SUM), args.reps)
-    leaders = dist.new_group(list(range(0, world, local)))  # the inter-node step alone
-    res["leaders_only_allreduce_s"] = timed(
-        lambda: dist.all_reduce(half, group=leaders) if rank % local == 0 else None, args.reps)
-    nodes = [dist.new_group(list(range(n, n + local))) for n in range(0, world, local)]  # the node-local steps alone
-    mine, leader = nodes[rank // local], rank - rank % local
-    res["node_reduce_s"] = timed(lambda: dist.reduce(half, leader, group=mine), args.reps)
-    res["node_broadcast_s"] = timed(lambda: dist.broadcast(half, leader, group=mine), args.reps)
+    res["hierarchical_allreduce_s"] = timed(lambda: two_level.reduce(half, None, {}, comm), args.reps)
+    rows = half.reshape(local, -1)  # the hierarchical steps alone
+    res["node_reduce_scatter_s"] = timed(lambda: comm.within.reduce_scatter(rows, ReduceOp.SUM), args.reps)
+    res["across_allreduce_s"] = timed(lambda: comm.across.allreduce(rows[0], ReduceOp.SUM), args.reps)
+    res["node_allgather_s"] = timed(lambda: comm.within.allgather(rows[0]), args.reps)
     if rank == 0:
         print(json.dumps(res), flush=True)
         if args.json:

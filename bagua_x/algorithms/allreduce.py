@@ -3,31 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
-from ..core.comm import Feature, ReduceOp
-from .base import Algorithm
+from ..core.comm import ReduceOp
+from .base import Algorithm, NodeAware, over_nodes
 
 __all__ = ["GradientAllReduce"]
 
 
 @dataclasses.dataclass(frozen=True)
-class GradientAllReduce(Algorithm):
-    """``hierarchical=True``: reduce within each node, then across nodes, where the
-    communicator offers it: torch (leaders' allreduce) and JAX under ``pmap``, nodes
-    being ``LOCAL_WORLD_SIZE`` processes.  Elsewhere (``shard_map``,
-    the NCCL communicator) it is one flat allreduce, with the same result."""
+class GradientAllReduce(NodeAware, Algorithm):
+    """``hierarchical``: reduce inside each node, then across nodes (:func:`~.base.over_nodes`),
+    the same result with the nodes' links carrying only the cross-node part.  Off by
+    default, as in Bagua: an uncompressed allreduce gains little from it."""
 
     average: bool = True
-    hierarchical: bool = False
+    hierarchical: Optional[bool] = False
     donates_input = True
     elementwise = True
 
-    @property
-    def uses(self):
-        return frozenset({Feature.HIERARCHICAL}) if self.hierarchical else frozenset()
-
     def reduce(self, flat, layout, state, comm):
         op = ReduceOp.AVG if self.average else ReduceOp.SUM
-        if self.hierarchical and Feature.HIERARCHICAL in comm.features:
-            return comm.hierarchical_allreduce(flat, op), state
+        if self.two_level(comm):
+            return over_nodes(flat, comm, lambda shard, across: across.allreduce(shard, op), op), state
         return comm.allreduce(flat, op), state

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, Callable, Optional
 
 import array_api_compat
 
 from ..core.bucket import BucketLayout
-from ..core.comm import Feature
+from ..core.comm import Feature, ReduceOp
 
-__all__ = ["Target", "Phase", "Algorithm", "namespace", "counter", "every", "ring_allreduce_bytes", "compressed_bytes"]
+__all__ = ["Target", "Phase", "Algorithm", "namespace", "counter", "every", "ring_allreduce_bytes", "compressed_bytes",
+           "NodeAware", "hierarchical", "over_nodes"]
 
 
 class Target(enum.Enum):
@@ -61,6 +62,11 @@ class Algorithm:
     @property
     def uses(self) -> frozenset[Feature]:
         """Optional communicator features ``reduce`` uses where offered (a frontend sets them up)."""
+        return frozenset()
+
+    @property
+    def requires(self) -> frozenset[Feature]:
+        """The features of :attr:`uses` the user asked for explicitly: a frontend that cannot offer one refuses."""
         return frozenset()
 
     def alignment(self, world_size: int) -> int:
@@ -109,3 +115,63 @@ def ring_allreduce_bytes(numel: int, itemsize: int, world_size: int) -> float:
 def compressed_bytes(numel: int, world_size: int) -> float:
     """ByteGrad's alltoall + allgather of uint8 chunks, each with an 8-byte min/max header."""
     return 2 * (world_size - 1) * (numel / world_size + 8)
+
+
+class NodeAware:
+    """Mixin for algorithms with a ``hierarchical: Optional[bool]`` field (Bagua's option).
+
+    ``None`` uses the frontend's node groups where it has them, ``True``
+    requires them (a frontend that has none refuses), ``False`` stays flat.
+    """
+
+    hierarchical: Optional[bool]
+
+    @property
+    def uses(self) -> frozenset[Feature]:
+        return frozenset() if self.hierarchical is False else frozenset({Feature.HIERARCHICAL})
+
+    @property
+    def requires(self) -> frozenset[Feature]:
+        return frozenset({Feature.HIERARCHICAL}) if self.hierarchical is True else frozenset()
+
+    def two_level(self, comm) -> bool:
+        """Whether ``reduce`` runs over nodes on ``comm`` (see :func:`hierarchical`)."""
+        return hierarchical(self.hierarchical, comm)
+
+
+def hierarchical(setting: Optional[bool], comm) -> bool:
+    """Whether a ``hierarchical=`` setting runs in two levels on ``comm``.
+
+    ``None`` (the default): when there are >= 2 nodes of >= 2 ranks, as Bagua
+    defaults it; with one rank per node the two levels would be the flat
+    exchange again, and on one node there is no slow link to spare.  ``True``:
+    whenever the communicator knows the nodes.
+    """
+    if setting is False or Feature.HIERARCHICAL not in comm.features:
+        return False
+    return setting is True or (comm.within.size >= 2 and comm.across.size >= 2)
+
+
+def over_nodes(flat, comm, exchange: Callable, op: ReduceOp = ReduceOp.AVG):
+    """Bagua's hierarchical scheme: full precision inside each node, ``exchange`` between nodes.
+
+    ``exchange(shard, comm.across)`` is the flat algorithm run among the nodes
+    on node averages (``op``: the in-node reduction).  Bagua funnels a node
+    through one leader (reduce to it, leaders exchange, broadcast); under SPMD
+    every rank runs the same program, so each of a node's L ranks carries one
+    shard instead: reduce-scatter inside the node, the exchange among the ranks
+    holding that shard in every node, allgather inside the node.  The bytes
+    between nodes are the leader scheme's, spread over every rank's link.
+    ``flat`` is padded to a multiple of L elements when it is not one (a bucket
+    aligned to the world size never is).
+    """
+    xp = namespace(flat)
+    within, shape = comm.within, flat.shape
+    flat = xp.reshape(flat, (-1,))
+    n = flat.shape[0]
+    pad = -n % within.size
+    if pad:
+        flat = xp.concat([flat, xp.zeros((pad,), dtype=flat.dtype)])
+    shard = within.reduce_scatter(xp.reshape(flat, (within.size, -1)), op)
+    out = xp.reshape(within.allgather(exchange(shard, comm.across)), (-1,))
+    return xp.reshape(out[:n] if pad else out, shape)

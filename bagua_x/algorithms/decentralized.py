@@ -8,15 +8,21 @@ before the optimizer applies the gradient computed at the old weights:
 ``shift_one`` (even world size): after ``s`` communications, rank ``r < N/2``
 pairs with ``((s + r) mod ((N+1)//2)) + N/2`` and rank ``r >= N/2`` with
 ``(r - N/2 - s) mod (N/2)``; the two average their weights.
+
+``hierarchical`` (Bagua's option, default on with >= 2 nodes of >= 2 ranks):
+weights are averaged inside each node first, then the nodes play the ranks'
+part above (``shift_one`` pairs nodes, so their number must be even), and every
+rank of a node ends with the node's result (:func:`~.base.over_nodes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
-from .base import Algorithm, Phase, Target, counter, every, namespace, ring_allreduce_bytes
+from .base import Algorithm, NodeAware, Phase, Target, counter, every, namespace, over_nodes, ring_allreduce_bytes
 
 __all__ = ["Decentralized", "shift_one_peer", "shift_one_pairs"]
 
@@ -33,9 +39,10 @@ def shift_one_pairs(size: int, s: int) -> list[tuple[int, int]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Decentralized(Algorithm):
+class Decentralized(NodeAware, Algorithm):
     peer_selection_mode: str = "all"
     communication_interval: int = 1
+    hierarchical: Optional[bool] = None
 
     target = Target.WEIGHT
     phase = Phase.BEFORE_FORWARD
@@ -43,6 +50,9 @@ class Decentralized(Algorithm):
     @property
     def donates_input(self) -> bool:  # shift_one reads x again after the exchange
         return self.peer_selection_mode == "all"
+
+    def alignment(self, world_size):
+        return 1 if self.hierarchical is False else world_size  # over_nodes shards the bucket
 
     def __post_init__(self):
         if self.peer_selection_mode not in ("all", "shift_one"):
@@ -69,14 +79,23 @@ class Decentralized(Algorithm):
     def reduce(self, flat, layout, state, comm):
         step = state["step"]
 
-        def communicate(x):
+        def exchange(x, ranks):
             if self.peer_selection_mode == "all":
-                return comm.allreduce(x, ReduceOp.AVG)
-            rounds = (comm.size + 1) // 2
+                return ranks.allreduce(x, ReduceOp.AVG)
+            if ranks.size % 2:
+                raise BaguaXError(
+                    f"Decentralized(peer_selection_mode='shift_one', hierarchical) pairs nodes, so it needs an even "
+                    f"number of them, got {ranks.size}; pass hierarchical=False to pair ranks instead"
+                )
+            rounds = (ranks.size + 1) // 2
             s = (step // self.communication_interval) % rounds
             branches = [
-                (lambda y, k=k: (y + comm.permute(y, shift_one_pairs(comm.size, k))) / 2) for k in range(rounds)
+                (lambda y, k=k: (y + ranks.permute(y, shift_one_pairs(ranks.size, k))) / 2) for k in range(rounds)
             ]
-            return comm.switch(s, branches, x)
+            return ranks.switch(s, branches, x)
 
+        if self.two_level(comm):
+            communicate = lambda x: over_nodes(x, comm, exchange)  # noqa: E731
+        else:
+            communicate = lambda x: exchange(x, comm)  # noqa: E731
         return every(comm, step, self.communication_interval, communicate, flat), {"step": step + 1}

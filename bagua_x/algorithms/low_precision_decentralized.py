@@ -6,14 +6,24 @@ copies of ``x``.  After the optimizer step:
 ``d = x + L/3 + R/3 - 5w/3``; ``q = MinMaxUInt8(d)``; ``q`` goes to both
 neighbours; ``L += deQ(q_from_left)``, ``R += deQ(q_from_right)``;
 ``x <- w + deQ(q)``; ``w <- x``.  Only 8-bit differences travel.
+
+``hierarchical`` (Bagua's option, default on with >= 2 nodes of >= 2 ranks):
+the ring is one of nodes.  Weights are averaged inside each node in full
+precision; each of a node's L ranks runs the step above on its 1/L shard of
+the average with the ranks holding that shard in the neighbouring nodes, and
+the node's ranks then share their 8-bit messages, so every rank keeps the
+whole state and ends with the node's weights.  Bagua's leader quantises the
+bucket as one row; here each shard has its own min/max.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
+from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
-from .base import Algorithm, Phase, Target, counter, every, namespace
+from .base import Algorithm, NodeAware, Phase, Target, counter, every, namespace
 from .compression import dequantize, pack_rows, quantize, unpack_rows
 from .kernels import kernel
 
@@ -36,8 +46,9 @@ def apply_differences(w, left, right, q, mm, q_left, mm_left, q_right, mm_right)
 
 
 @dataclasses.dataclass(frozen=True)
-class LowPrecisionDecentralized(Algorithm):
+class LowPrecisionDecentralized(NodeAware, Algorithm):
     communication_interval: int = 1
+    hierarchical: Optional[bool] = None
 
     target = Target.WEIGHT
     phase = Phase.AFTER_STEP
@@ -47,6 +58,9 @@ class LowPrecisionDecentralized(Algorithm):
             raise BaguaXError(
                 f"LowPrecisionDecentralized: communication_interval must be >= 1, got {self.communication_interval}"
             )
+
+    def alignment(self, world_size):
+        return 1 if self.hierarchical is False else world_size  # the hierarchical step shards the bucket
 
     def init(self, flat, layout, world_size):
         xp = namespace(flat)
@@ -58,20 +72,44 @@ class LowPrecisionDecentralized(Algorithm):
 
     def reduce(self, flat, layout, state, comm):
         xp = namespace(flat)
-        n = comm.size
-        from_left = [(i, (i + 1) % n) for i in range(n)]  # each rank receives its left neighbour's
-        from_right = [(i, (i - 1) % n) for i in range(n)]
+        step = self._over_nodes if self.two_level(comm) else self._flat
 
         def communicate(carry):
             x, w, left, right = carry
-            q, mm = quantized_difference(x, w, left, right)
-            packed = pack_rows(q, mm)
-            x, left, right = apply_differences(w, left, right, q, mm,
-                                               *unpack_rows(comm.permute(packed, from_left)),
-                                               *unpack_rows(comm.permute(packed, from_right)))
+            x, left, right = step(x, w, left, right, comm)
             return x, x, left, right
 
         carry = (xp.astype(flat, xp.float32, copy=False), state["w"], state["left"], state["right"])
         x, w, left, right = every(comm, state["step"], self.communication_interval, communicate, carry)
         new_state = {"step": state["step"] + 1, "w": w, "left": left, "right": right}
         return xp.astype(x, flat.dtype), new_state
+
+    @staticmethod
+    def _flat(x, w, left, right, ring):
+        """One exchange on the ring of ``ring``'s ranks: the new ``(x, L, R)``."""
+        packed = pack_rows(*quantized_difference(x, w, left, right))
+        from_left, from_right = _from_neighbours(packed, ring)
+        return apply_differences(w, left, right, *unpack_rows(packed), *unpack_rows(from_left),
+                                 *unpack_rows(from_right))
+
+    @staticmethod
+    def _over_nodes(x, w, left, right, comm):
+        """The exchange on the ring of nodes, each rank of a node carrying one shard of it."""
+        xp = namespace(x)
+        within = comm.within
+        rows = lambda a: xp.reshape(a, (within.size, -1))  # noqa: E731
+        mine = lambda a: rows(a)[within.rank, :]  # noqa: E731
+        shard = within.reduce_scatter(rows(x), ReduceOp.AVG)
+        packed = pack_rows(*quantized_difference(shard, mine(w), mine(left), mine(right)))
+        messages = xp.stack([packed, *_from_neighbours(packed, comm.across)])  # (3, 1, k + 8)
+        everyone = within.allgather(messages)  # (L, 3, 1, k + 8): every shard's messages
+        mine_q, from_left, from_right = (unpack_rows(everyone[:, i, 0, :]) for i in range(3))
+        return apply_differences(w, left, right, *mine_q, *from_left, *from_right)
+
+
+def _from_neighbours(packed, ring):
+    """The packed messages from the left and from the right neighbour on ``ring``."""
+    n = ring.size
+    from_left = [(i, (i + 1) % n) for i in range(n)]  # each rank receives its left neighbour's
+    from_right = [(i, (i - 1) % n) for i in range(n)]
+    return ring.permute(packed, from_left), ring.permute(packed, from_right)

@@ -18,18 +18,21 @@ The pieces are Array API functions so both frontends share them: JAX runs
 each parameter's ``exp_avg`` in the backward hook and communicates it through
 the bucket with :meth:`QAdam.reduce` (the optimizer state is the effective
 tensor), like any other algorithm's bucket.
+
+``hierarchical`` (Bagua's option, default on with >= 2 nodes of >= 2 ranks):
+both exchanges average inside each node in full precision and only between
+nodes run the flat exchange (as :class:`~.bytegrad.ByteGrad` does).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-from array_api_compat import is_writeable_array
+from typing import Optional
 
 from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
-from .base import Algorithm, Target, compressed_bytes, counter, namespace
-from .bytegrad import compressed_allreduce
+from .base import Algorithm, NodeAware, Target, compressed_bytes, counter, namespace, over_nodes
+from .bytegrad import compressed_average
 
 __all__ = ["QAdam", "adam_moments", "momentum_update", "adam_direction"]
 
@@ -52,12 +55,13 @@ def adam_direction(m, v, t, lr: float, beta1: float, beta2: float, eps: float):
 
 
 @dataclasses.dataclass(frozen=True)
-class QAdam(Algorithm):
+class QAdam(NodeAware, Algorithm):
     lr: float = 1e-3
     warmup_steps: int = 100
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    hierarchical: Optional[bool] = None
 
     target = Target.MOMENTUM
 
@@ -95,15 +99,21 @@ class QAdam(Algorithm):
         b1, b2 = self.betas
         t = state["step"] + 1
         g = grad + self.weight_decay * param if self.weight_decay else grad
+        two_level = self.two_level(comm)
+
+        def average(x):
+            if two_level:
+                return over_nodes(x, comm, lambda shard, across: across.allreduce(shard, ReduceOp.AVG))
+            return comm.allreduce(x, ReduceOp.AVG)
 
         def warmup(carry):
             m, v, g = carry
-            m, v = adam_moments(m, v, comm.allreduce(g, ReduceOp.AVG), b1, b2)
+            m, v = adam_moments(m, v, average(g), b1, b2)
             return m, v, g
 
         def compressed(carry):
             m, v, g = carry
-            return compressed_allreduce(momentum_update(m, g, b1), comm, average=True), v, g
+            return compressed_average(momentum_update(m, g, b1), comm, True, two_level), v, g
 
         after = xp.astype(t > self.warmup_steps, xp.int32)
         m, v, _ = comm.switch(after, [warmup, compressed], (state["m"], state["v"], g))
@@ -113,5 +123,4 @@ class QAdam(Algorithm):
     def reduce(self, flat, layout, state, comm):
         """After warmup: the momentum bucket ``flat`` averaged 8-bit (ByteGrad's exchange), for a frontend whose
         optimizer keeps the moments itself (torch's QAdamOptimizer updates ``exp_avg`` and steps)."""
-        out = flat if is_writeable_array(flat) else None
-        return compressed_allreduce(flat, comm, average=True, out=out), state
+        return compressed_average(flat, comm, True, self.two_level(comm)), state

@@ -16,7 +16,9 @@ def make(name: str, steps: int):
         "bytegrad": lambda: ByteGrad(),
         "decentralized": lambda: Decentralized(peer_selection_mode="all"),
         "lowprec": lambda: LowPrecisionDecentralized(),
-        "qadam": lambda: QAdam(lr=3e-3, warmup_steps=max(steps // 5, 50)),  # a short warmup freezes v too early
+        # a short warmup freezes v too early; eps: where v froze near 0 (dead ReLUs), the 8-bit momentum's rounding
+        # error divided by sqrt(v) + eps would blow the weights up
+        "qadam": lambda: QAdam(lr=3e-3, warmup_steps=max(steps // 5, 50), eps=1e-4),
         "model_average": lambda: ModelAverage(period=4),
     }
     if name not in factories:

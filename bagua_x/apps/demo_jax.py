@@ -1,4 +1,9 @@
-"""One demo run with the JAX frontend (executed on every rank by the launcher)."""
+"""The demo's JAX runs: every process of one launch trains the small MLP once per algorithm.
+
+One launch runs all the algorithms in turn: starting JAX and connecting its
+processes costs more than a short run on a 2-core machine.  The first step of
+each algorithm traces and compiles it, so the clock starts after it.
+"""
 
 from __future__ import annotations
 
@@ -6,34 +11,39 @@ import os
 import time
 
 
-def train(algo_name: str, steps: int, batch: int, lr: float, seed: int, coordinator_port: int) -> dict:
+def train(algo_names: list, steps: int, batch: int, lr: float, seed: int, eval_every: int,
+          coordinator_port: int) -> list:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # one device per process
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
     import bagua_x.jax as bxj
 
+    from .data import load_digits_split
     from .quiet import without_gloo_lines
 
     with without_gloo_lines():  # gloo says from C++ each time processes connect
         bxj.init_distributed(coordinator_address=f"127.0.0.1:{coordinator_port}")
-        return _train(algo_name, steps, batch, lr, seed, jax.process_index(), jax.process_count())
+        data = load_digits_split(seed)
+        return [_train(name, steps, batch, lr, seed, eval_every, data, jax.process_index(), jax.process_count())
+                for name in algo_names]
 
 
-def _train(algo_name, steps, batch, lr, seed, rank, world) -> dict:
+def _train(algo_name, steps, batch, lr, seed, eval_every, data, rank, world) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from jax.experimental import multihost_utils
     from tqdm import tqdm
 
     import bagua_x.jax as bxj
     from bagua_x.algorithms import Phase, Target
 
     from .algorithms import make
-    from .data import load_digits_split, rank_batches
+    from .data import rank_batches
 
-    x_tr, y_tr, x_te, y_te = load_digits_split(seed)
+    x_tr, y_tr, x_te, y_te = data
 
     def init(key):
         k1, k2 = jax.random.split(key)
@@ -51,10 +61,7 @@ def _train(algo_name, steps, batch, lr, seed, rank, world) -> dict:
     params = init(jax.random.PRNGKey(seed + rank))  # processes start apart: replicate() broadcasts process 0's
     algorithm = make(algo_name, steps)
     dp = bxj.wrap(params, algorithm=algorithm, axis_name="batch")
-    if algorithm.target is Target.MOMENTUM:
-        tx = dp.optimizer()
-    else:
-        tx = optax.sgd(lr, momentum=0.9)
+    tx = dp.optimizer() if algorithm.target is Target.MOMENTUM else optax.sgd(lr, momentum=0.9)
     sync_first = algorithm.phase == Phase.BEFORE_FORWARD
 
     def step(params, opt_state, state, x, y):
@@ -69,26 +76,32 @@ def _train(algo_name, steps, batch, lr, seed, rank, world) -> dict:
         return params, opt_state, state, loss
 
     pstep = jax.pmap(step, axis_name="batch")
+    accuracy = jax.jit(lambda p: (logits(p, x_te).argmax(1) == y_te).mean())
     params = dp.replicate(params)
     opt_state = jax.pmap(tx.init)(params)
     state = dp.init()
-    losses, times = [], []
+    losses, seconds, evals, clock = [], [], [], 0.0
     batches = rank_batches(x_tr, y_tr, rank, world, batch, steps, seed)
-    for xb, yb in tqdm(batches, total=steps, desc=f"jax/{algo_name}", disable=rank != 0, leave=False):
+    for i, (xb, yb) in enumerate(tqdm(batches, total=steps, desc=f"jax/{algo_name}", disable=rank != 0,
+                                      leave=False), 1):
         start = time.perf_counter()
         params, opt_state, state, loss = pstep(params, opt_state, state, xb[None], yb[None])
         loss = float(loss[0])  # waits for the step
-        times.append(time.perf_counter() - start)
+        clock += 0.0 if i == 1 else time.perf_counter() - start  # step 1 traces and compiles: off the clock
         losses.append(loss)
+        seconds.append(clock)
+        if i % eval_every == 0 or i == steps:  # this process's own model on the whole held-out set
+            evals.append([i, float(accuracy(dp.unreplicate(params)))])
 
-    local = dp.unreplicate(params)
-    accuracy = float((np.asarray(logits(local, x_te)).argmax(1) == y_te).mean())
-    from jax.experimental import multihost_utils
-
-    gathered = multihost_utils.process_allgather(np.asarray([accuracy, *losses], np.float64))
-    mean = np.asarray(gathered).reshape(world, -1).mean(0)
+    # mean loss and accuracy over processes, the slowest process's clock
+    local = np.asarray([*losses, *(a for _, a in evals), *seconds], np.float64)
+    gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(world, -1)
+    n, k = len(losses), len(evals)
+    mean, slowest = gathered.mean(0), gathered[:, n + k:].max(0)
     return {
-        "frontend": "jax", "algorithm": algo_name, "losses": mean[1:].tolist(), "accuracy": float(mean[0]),
-        "step_ms": 1000 * float(np.mean(times[len(times) // 5 :])),
-        "bytes_per_step": sum(algorithm.wire_bytes(layout, 4, world) for layout in dp.layouts),
+        "frontend": "jax", "algorithm": algo_name, "losses": mean[:n].tolist(), "seconds": slowest.tolist(),
+        "evals": [[s, float(a)] for (s, _), a in zip(evals, mean[n:n + k])],
+        "accuracy": float(mean[n + k - 1]), "step_ms": 1000 * float(slowest[-1]) / max(n - 1, 1),
+        "bytes_per_step": float(sum(algorithm.wire_bytes(layout, 4, world) for layout in dp.layouts)),
+        "parameters": int(sum(x.size for x in jax.tree_util.tree_leaves(dp.unreplicate(params)))),
     }

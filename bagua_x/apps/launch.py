@@ -1,7 +1,8 @@
-"""Launching local ranks with torch's elastic agent, optionally on a bandwidth-capped link."""
+"""Starting the demo's ranks: in-process through torch's elastic agent, or torchrun, optionally on a capped link."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -28,17 +29,25 @@ def launch(fn, nproc: int, *args):
     return elastic_launch(config, fn)(*args)[0]
 
 
-def rerun_in_capped_namespace(rate: str, argv: list[str]) -> int:
-    """Re-run this command inside a fresh network namespace whose loopback is capped at ``rate``.
+def torchrun(nproc: int, argv: list[str], prefix: tuple = ()) -> int:
+    """``python -m torch.distributed.run --nproc_per_node nproc argv`` on 127.0.0.1, after ``prefix``; its status."""
+    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--max_restarts", "0", *argv]
+    return subprocess.run(cmd).returncode
+
+
+def can_cap() -> bool:
+    return os.geteuid() == 0 and bool(shutil.which("ip")) and bool(shutil.which("tc"))
+
+
+@contextlib.contextmanager
+def capped_namespace(rate: str):
+    """A fresh network namespace whose loopback is capped at ``rate``; yields the prefix that runs a command in it.
 
     Every rank talks over 127.0.0.1, so capping that namespace's loopback caps
-    the links between ranks.  Needs root and iproute2 (``ip``, ``tc``).
+    the links between ranks (all of them, unlike a cluster's inter-node link).
+    Needs root and iproute2 (``ip``, ``tc``); the namespace is deleted on exit.
     """
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        raise SystemExit(
-            f"--bandwidth {rate} runs the ranks in a network namespace with a capped loopback, which needs root "
-            "and iproute2 (ip, tc); run as root or leave out --bandwidth"
-        )
     ns = f"baguax{uuid.uuid4().hex[:6]}"
     setup = [
         ["ip", "netns", "add", ns],
@@ -49,7 +58,6 @@ def rerun_in_capped_namespace(rate: str, argv: list[str]) -> int:
     try:
         for cmd in setup:
             subprocess.run(cmd, check=True)
-        env = dict(os.environ, BAGUA_X_LINK=rate)
-        return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "bagua_x.cli", *argv], env=env).returncode
+        yield ("ip", "netns", "exec", ns)
     finally:
-        subprocess.run(["ip", "netns", "delete", ns], check=False)
+        subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True)

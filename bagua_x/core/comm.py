@@ -21,9 +21,10 @@ runs on both:
 
 Optional features are declared in ``features`` (a frozenset of
 :class:`Feature`), never probed: an algorithm asks ``Feature.HIERARCHICAL in
-comm.features`` before calling ``hierarchical_allreduce(x, op)`` (reduce
-within each node, then across nodes: same result as ``allreduce``, fewer
-bytes on the slow links between nodes).
+comm.features`` before using ``comm.within`` (a communicator over the ranks of
+this rank's node) and ``comm.across`` (over the ranks at this rank's place in
+every node, one per node), which is how hierarchical variants keep the slow
+links between nodes for the algorithm's own (compressed) exchange.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class ReduceOp(enum.Enum):
 
 
 class Feature(enum.Enum):
-    HIERARCHICAL = "hierarchical"  # hierarchical_allreduce(x, op): within nodes, then across them
+    HIERARCHICAL = "hierarchical"  # comm.within / comm.across: sub-communicators inside a node / between nodes
 
 
 @runtime_checkable

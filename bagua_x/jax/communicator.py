@@ -44,10 +44,14 @@ def axis_size(axis_name: Hashable) -> int:
 class AxisCommunicator:
     """Collectives over the devices of a named mapped axis (one rank per device).
 
-    ``local_size``: devices per node for :meth:`hierarchical_allreduce`, nodes
-    being consecutive blocks of axis indices (default: ``jax.local_device_count()``
-    times ``LOCAL_WORLD_SIZE``, the processes per node as torchrun sets it; 1
-    when unset, JAX's usual one process per host).
+    ``local_size``: devices per node, nodes being consecutive blocks of axis
+    indices (default: ``jax.local_device_count()`` times ``LOCAL_WORLD_SIZE``,
+    the processes per node as torchrun sets it; 1 when unset, JAX's usual one
+    process per host).  With >= 2 nodes under ``pmap`` it offers
+    ``Feature.HIERARCHICAL``: ``within`` and ``across`` are the same collectives
+    on groups of the axis (``axis_index_groups``).  Under ``shard_map`` JAX has
+    no grouped collectives, so it offers none and hierarchical algorithms run
+    flat there (logged once per trace).
     """
 
     def __init__(self, axis_name: Hashable = "batch", local_size: Optional[int] = None):
@@ -55,9 +59,11 @@ class AxisCommunicator:
         self._size = axis_size(axis_name)
         per_node = jax.local_device_count() * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.local_size = int(local_size or min(per_node, self._size))
+        self._groups: Optional[list[list[int]]] = None  # None: the whole axis
+        self._features: Optional[frozenset[Feature]] = None
 
     def __repr__(self) -> str:
-        return f"AxisCommunicator({self.axis_name!r}, size={self._size})"
+        return f"AxisCommunicator({self.axis_name!r}, size={self.size})"
 
     @property
     def rank(self):
@@ -69,53 +75,37 @@ class AxisCommunicator:
 
     @property
     def features(self) -> frozenset[Feature]:
-        """Always HIERARCHICAL: grouped collectives under pmap, one flat allreduce under shard_map."""
-        return frozenset({Feature.HIERARCHICAL})
+        if self._features is None:
+            self._features = self._node_features()
+        return self._features
+
+    @property
+    def within(self) -> "AxisCommunicator":
+        """The devices of this device's node."""
+        self._need_nodes()
+        local, nodes = self.local_size, self._size // self.local_size
+        return _Group(self.axis_name, [[n * local + i for i in range(local)] for n in range(nodes)],
+                      lambda index: index % local)
+
+    @property
+    def across(self) -> "AxisCommunicator":
+        """The devices at this device's place in every node, one per node."""
+        self._need_nodes()
+        local, nodes = self.local_size, self._size // self.local_size
+        return _Group(self.axis_name, [[n * local + i for n in range(nodes)] for i in range(local)],
+                      lambda index: index // local)
 
     def allreduce(self, x, op: ReduceOp = ReduceOp.SUM):
+        groups = self._groups
         if op is ReduceOp.SUM:
-            return lax.psum(x, self.axis_name)
+            return lax.psum(x, self.axis_name, axis_index_groups=groups)
         if op is ReduceOp.AVG:
-            return lax.pmean(x, self.axis_name)
+            return lax.pmean(x, self.axis_name, axis_index_groups=groups)
         if op is ReduceOp.MIN:
-            return lax.pmin(x, self.axis_name)
+            return lax.pmin(x, self.axis_name, axis_index_groups=groups)
         if op is ReduceOp.MAX:
-            return lax.pmax(x, self.axis_name)
+            return lax.pmax(x, self.axis_name, axis_index_groups=groups)
         raise BaguaXError(f"unknown reduce op {op!r}; use a bagua_x.core.ReduceOp")
-
-    def hierarchical_allreduce(self, x, op: ReduceOp = ReduceOp.SUM):
-        """The allreduce in two levels: within each node, then across nodes.
-
-        Under SPMD every device runs the same program, so instead of Bagua's
-        leader (reduce to it, leaders allreduce, broadcast) each device of a node
-        takes a share: reduce-scatter within the node, allreduce of its 1/L shard
-        among the devices at the same place in the other nodes, allgather within
-        the node.  The cross-node bytes are the leader scheme's, spread over every
-        device's link.  Under ``shard_map`` JAX has no grouped ``psum`` (and grouped
-        results would not count as replicated), so there this is one flat allreduce,
-        with the same result; so are MIN/MAX, small checks rather than gradients.
-        """
-        if op not in (ReduceOp.SUM, ReduceOp.AVG):
-            return self.allreduce(x, op)
-        local, nodes = self.local_size, self._size // self.local_size
-        if local < 1 or self._size % local:
-            raise BaguaXError(
-                f"hierarchical allreduce: axis {self.axis_name!r} of size {self._size} is not a multiple of "
-                f"local_size={local} devices per node; use the same number of devices on every node"
-            )
-        within = [[n * local + i for i in range(local)] for n in range(nodes)]
-        across = [[n * local + i for n in range(nodes)] for i in range(local)]
-        flat = jnp.reshape(x, (-1,))
-        padded = jnp.pad(flat, (0, -flat.shape[0] % local))
-        shard = lax.psum_scatter(padded, self.axis_name, axis_index_groups=within, tiled=True)
-        try:
-            shard = lax.psum(shard, self.axis_name, axis_index_groups=across)
-        except NotImplementedError:  # shard_map (the traced reduce-scatter above is dropped as unused)
-            log.info("bagua_x: hierarchical allreduce on axis %r runs flat under shard_map", self.axis_name)
-            return self.allreduce(x, op)
-        full = lax.all_gather(shard, self.axis_name, axis_index_groups=within, tiled=True)
-        out = jnp.reshape(full[:flat.shape[0]], x.shape)
-        return out / self._size if op is ReduceOp.AVG else out
 
     def allgather(self, x):
         # The result is the same on every device; saying so (invariant) lets a shard_map
@@ -124,36 +114,84 @@ class AxisCommunicator:
 
     def alltoall(self, x):
         self._check_rows(x, "alltoall")
-        return lax.all_to_all(x, self.axis_name, split_axis=0, concat_axis=0)
+        return lax.all_to_all(x, self.axis_name, split_axis=0, concat_axis=0, axis_index_groups=self._groups)
 
     def reduce_scatter(self, x, op: ReduceOp = ReduceOp.SUM):
         self._check_rows(x, "reduce_scatter")
         if op not in (ReduceOp.SUM, ReduceOp.AVG):
             # XLA has no min/max reduce-scatter: reduce everything, keep our row.
             return self.allreduce(x, op)[self.rank]
-        out = lax.psum_scatter(x, self.axis_name, scatter_dimension=0, tiled=False)
-        return out / self._size if op is ReduceOp.AVG else out
+        out = lax.psum_scatter(x, self.axis_name, scatter_dimension=0, axis_index_groups=self._groups, tiled=False)
+        return out / self.size if op is ReduceOp.AVG else out
 
     def broadcast(self, x, root: int = 0):
         """``root``'s ``x``: a masked psum (exact: the other ranks add zeros, never their NaNs)."""
-        if not 0 <= root < self._size:
-            raise BaguaXError(f"broadcast root {root} is outside axis {self.axis_name!r} of size {self._size}")
+        if not 0 <= root < self.size:
+            raise BaguaXError(f"broadcast root {root} is outside axis {self.axis_name!r} of size {self.size}")
         dtype = x.dtype
         masked = jnp.where(self.rank == root, x, jnp.zeros_like(x))
         if dtype == jnp.bool_:
-            return lax.psum(masked.astype(jnp.uint8), self.axis_name).astype(dtype)
-        return lax.psum(masked, self.axis_name)
+            return lax.psum(masked.astype(jnp.uint8), self.axis_name, axis_index_groups=self._groups).astype(dtype)
+        return lax.psum(masked, self.axis_name, axis_index_groups=self._groups)
 
     def permute(self, x, pairs: Sequence[tuple[int, int]]):
-        return lax.ppermute(x, self.axis_name, perm=[(int(s), int(d)) for s, d in pairs])
+        groups = self._groups or [list(range(self._size))]
+        return lax.ppermute(x, self.axis_name, perm=[(g[int(s)], g[int(d)]) for g in groups for s, d in pairs])
 
     def switch(self, index, branches: Sequence[Callable[[Any], Any]], operand):
         if isinstance(index, int):
             return branches[index](operand)
         return lax.switch(index, list(branches), operand)
 
-    def _check_rows(self, x, what: str) -> None:
-        if x.ndim == 0 or x.shape[0] != self._size:
+    def _node_features(self) -> frozenset[Feature]:
+        local = self.local_size
+        if local < 1 or self._size % local or self._size // local < 2:
+            return frozenset()
+        try:  # traced and dropped as unused; shard_map raises here
+            lax.psum(jnp.zeros((), jnp.int32), self.axis_name, axis_index_groups=[[i] for i in range(self._size)])
+        except NotImplementedError:
+            log.info("bagua_x: axis %r has no grouped collectives (shard_map): hierarchical algorithms run flat",
+                     self.axis_name)
+            return frozenset()
+        return frozenset({Feature.HIERARCHICAL})
+
+    def _need_nodes(self) -> None:
+        if Feature.HIERARCHICAL not in self.features:
             raise BaguaXError(
-                f"{what} needs an array whose first dimension is the axis size {self._size}, got shape {tuple(x.shape)}"
+                f"axis {self.axis_name!r} (size {self._size}, local_size={self.local_size} devices per node) has no "
+                "node groups here (one node, sizes that do not divide, or shard_map); check Feature.HIERARCHICAL "
+                "in comm.features before using comm.within / comm.across"
             )
+
+    def _check_rows(self, x, what: str) -> None:
+        if x.ndim == 0 or x.shape[0] != self.size:
+            raise BaguaXError(
+                f"{what} needs an array whose first dimension is the {'group' if self._groups else 'axis'} size "
+                f"{self.size}, got shape {tuple(x.shape)}"
+            )
+
+
+class _Group(AxisCommunicator):
+    """The collectives of :class:`AxisCommunicator` on equal groups of the axis (``axis_index_groups``)."""
+
+    def __init__(self, axis_name: Hashable, groups: list[list[int]], position: Callable):
+        self.axis_name = axis_name
+        self._size = axis_size(axis_name)
+        self._groups = groups
+        self._position = position
+        self.local_size = len(groups[0])
+        self._features = frozenset()
+
+    def __repr__(self) -> str:
+        return f"AxisCommunicator({self.axis_name!r}, groups={self._groups})"
+
+    @property
+    def rank(self):
+        return self._position(lax.axis_index(self.axis_name))
+
+    @property
+    def size(self) -> int:
+        return len(self._groups[0])
+
+    def allgather(self, x):
+        return lax.all_gather(x, self.axis_name, axis_index_groups=self._groups)

@@ -54,8 +54,10 @@ class DataParallel:
         pack_buckets: Optional[bool] = None,
         timeout: Optional[float] = None,
         check_finite: bool = False,
+        devices_per_node: Optional[int] = None,
     ):
         self.algorithm = algorithm if algorithm is not None else GradientAllReduce()
+        self.devices_per_node = devices_per_node
         if self.algorithm.phase is Phase.BACKGROUND:
             raise BaguaXError(
                 f"bagua_x.jax.wrap: {type(self.algorithm).__name__} communicates on a background thread of its own, "
@@ -105,7 +107,8 @@ class DataParallel:
             describe(
                 zip(self.names, self._shapes, map(str, self._dtypes)),
                 {**self.algorithm.hyperparameters(), "axis_name": repr(axis_name), "bucket_cap_mb": bucket_cap_mb,
-                 "world_size": self.world_size, "timeout": timeout, "check_finite": bool(check_finite)},
+                 "world_size": self.world_size, "timeout": timeout, "check_finite": bool(check_finite),
+                 "devices_per_node": devices_per_node},
             ),
             "bagua_x.jax.wrap: the params trees or settings differ across processes",
         )
@@ -327,7 +330,7 @@ class DataParallel:
 
         The result replaces the first tree's registered leaves; other leaves pass through.
         """
-        comm = AxisCommunicator(self.axis_name)
+        comm = AxisCommunicator(self.axis_name, self.devices_per_node)
         leaves = [self._leaves(t, where, floats=True) for t in trees]
         if not isinstance(state, (tuple, list)) or len(state) != len(self.buckets):
             raise BaguaXError(
@@ -367,6 +370,7 @@ def wrap(
     pack_buckets: Optional[bool] = None,
     timeout: Optional[float] = None,
     check_finite: bool = False,
+    devices_per_node: Optional[int] = None,
 ) -> DataParallel:
     """Make a params pytree data parallel with ``algorithm`` (default :class:`GradientAllReduce`).
 
@@ -376,6 +380,10 @@ def wrap(
     ``pack_buckets`` (default: automatic) chooses one collective per bucket
     (packed) or per leaf; algorithms that need padding always pack.
     In a multi-process run, every process must call ``wrap`` with the same tree.
+    ``devices_per_node`` (default: this process's devices times torchrun's
+    ``LOCAL_WORLD_SIZE``) groups the axis into nodes for the hierarchical
+    algorithms, which run in two levels under ``pmap`` with >= 2 nodes (flat
+    under ``shard_map``: JAX has no grouped collectives there).
 
     Faults (both off by default; see :meth:`DataParallel.step`): ``timeout``
     (seconds) ends the process with a report when a step run through
@@ -385,4 +393,5 @@ def wrap(
     BaguaXError naming the leaves when a reduced value is NaN or inf, on
     every process at the same step (:mod:`.checks`).
     """
-    return DataParallel(params, algorithm, axis_name, bucket_cap_mb, world_size, pack_buckets, timeout, check_finite)
+    return DataParallel(params, algorithm, axis_name, bucket_cap_mb, world_size, pack_buckets, timeout, check_finite,
+                        devices_per_node)

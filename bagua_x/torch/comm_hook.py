@@ -70,10 +70,10 @@ def _check_fits_a_hook(algorithm: Algorithm) -> None:
             "sees gradient buckets during backward; use bagua_x.torch.wrap(model, optimizer, algorithm=...) "
             "instead of DDP for it"
         )
-    if Feature.HIERARCHICAL in algorithm.uses:
+    if Feature.HIERARCHICAL in algorithm.requires:  # hierarchical=None runs flat in a hook
         raise BaguaXError(
             f"{name}(hierarchical=True) needs bagua_x.torch.wrap's node process groups, which a DDP comm hook "
-            "does not have; pass hierarchical=False, or use bagua_x.torch.wrap"
+            "does not have; pass hierarchical=None or False (flat), or use bagua_x.torch.wrap"
         )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 from typing import Callable, Optional, Sequence
 
@@ -22,6 +23,8 @@ from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
 
 __all__ = ["TorchCommunicator"]
+
+log = logging.getLogger(__name__)
 
 # recent torch renamed the flat tensor-in/tensor-out collectives (the old names warn); older releases lack the new
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -58,7 +61,7 @@ class TorchCommunicator:
 
     @property
     def features(self) -> frozenset[Feature]:
-        """HIERARCHICAL once :meth:`enable_hierarchical` has built the node groups."""
+        """HIERARCHICAL once :meth:`enable_hierarchical` has built the node groups (``within``, ``across``)."""
         return self._features
 
     def __repr__(self) -> str:
@@ -165,43 +168,56 @@ class TorchCommunicator:
         else:
             work.wait(datetime.timedelta(seconds=self.timeout))
 
-    # -- hierarchical allreduce -----------------------------------------------------------------
-    def enable_hierarchical(self, local_world_size: Optional[int] = None) -> None:
-        """Build node-local and cross-node groups (collective: every rank calls it once).
+    # -- nodes -------------------------------------------------------------------------------------
+    @property
+    def within(self) -> "TorchCommunicator":
+        """The ranks of this rank's node (after :meth:`enable_hierarchical`)."""
+        return self._nodes()[0]
+
+    @property
+    def across(self) -> "TorchCommunicator":
+        """The ranks at this rank's place in every node, one per node (after :meth:`enable_hierarchical`)."""
+        return self._nodes()[1]
+
+    def enable_hierarchical(self, required: bool, local_world_size: Optional[int] = None) -> None:
+        """Offer ``Feature.HIERARCHICAL`` where there are nodes (collective: every rank calls it once).
 
         Nodes are consecutive blocks of ``local_world_size`` ranks (torchrun's
-        ``LOCAL_WORLD_SIZE``); the first rank of each node is its leader.
+        ``LOCAL_WORLD_SIZE``).  With one node there is nothing to offer and the
+        algorithms run flat.  ``required`` (the user asked for
+        ``hierarchical=True``): a setting that cannot have node groups raises
+        instead of quietly running flat.
         """
-        if self.group is not None:
-            raise BaguaXError("hierarchical allreduce needs the default process group (process_group=None)")
         local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", self._size))
-        if local < 1 or self._size % local:
-            raise BaguaXError(
-                f"hierarchical allreduce: world size {self._size} is not a multiple of LOCAL_WORLD_SIZE={local}; "
-                "launch the same number of ranks on every node"
-            )
-        nodes = [list(range(n, n + local)) for n in range(0, self._size, local)]
-        for ranks in nodes:  # every rank creates every group, in the same order
+        problem = None
+        if self.group is not None:
+            problem = "hierarchical algorithms need the default process group (process_group=None)"
+        elif local < 1 or self._size % local:
+            problem = (f"world size {self._size} is not a multiple of LOCAL_WORLD_SIZE={local}; "
+                       "launch the same number of ranks on every node")
+        if problem:
+            if required:
+                raise BaguaXError(f"{problem}; or pass hierarchical=False")
+            log.info("bagua_x: running flat: %s", problem)
+            return
+        nodes = self._size // local
+        if nodes < 2:
+            return
+        blocks = [list(range(n * local, (n + 1) * local)) for n in range(nodes)]
+        places = [list(range(i, self._size, local)) for i in range(local)]
+        mine = []
+        for ranks in blocks + places:  # every rank creates every group, in the same order
             group = dist.new_group(ranks)
             if self._rank in ranks:
-                self._node_group, self._leader = group, ranks[0]
-        self._leaders_group = dist.new_group([ranks[0] for ranks in nodes])
+                mine.append(TorchCommunicator(group, timeout=self.timeout))
+        self._node_comms = tuple(mine)
         self._features = self._features | {Feature.HIERARCHICAL}
 
-    def hierarchical_allreduce(self, x: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        """Reduce within the node to its leader, allreduce among leaders, broadcast within the node."""
+    def _nodes(self) -> tuple["TorchCommunicator", "TorchCommunicator"]:
         if Feature.HIERARCHICAL not in self._features:
-            raise BaguaXError("hierarchical_allreduce before enable_hierarchical(); wrap() does this when "
-                              "the algorithm has hierarchical=True")
-        out = self._writable(x)
-        torch_op = dist.ReduceOp.SUM if op is ReduceOp.AVG else _op(op)
-        self._wait(dist.reduce(out, self._leader, torch_op, group=self._node_group, async_op=True), out)
-        if self._rank == self._leader:
-            self._wait(dist.all_reduce(out, torch_op, group=self._leaders_group, async_op=True), out)
-        self._wait(dist.broadcast(out, self._leader, group=self._node_group, async_op=True), out)
-        if op is ReduceOp.AVG:
-            out = out.div_(self._size) if out.is_floating_point() else out.floor_divide_(self._size)
-        return out
+            raise BaguaXError("this communicator has no node groups: check Feature.HIERARCHICAL in comm.features "
+                              "before using comm.within / comm.across")
+        return self._node_comms
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)

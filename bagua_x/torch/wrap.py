@@ -55,7 +55,7 @@ class DistributedModel(torch.nn.Module):
         self.timeout = resolve_timeout(timeout, process_group)
         self.comm = TorchCommunicator(process_group, timeout=self.timeout)
         if Feature.HIERARCHICAL in algorithm.uses:
-            self.comm.enable_hierarchical()
+            self.comm.enable_hierarchical(required=Feature.HIERARCHICAL in algorithm.requires)
         # exchanged with the model description, so a problem on any rank is raised on every rank
         problem = input_problem(module)
         check_same_model(module, {"algorithm": algorithm.hyperparameters(), "bucket_cap_mb": bucket_cap_mb,

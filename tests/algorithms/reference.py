@@ -103,11 +103,14 @@ def model_average(xs, step, period):
     return allreduce(xs, average=True)
 
 
-def qadam(param, grads, lr, warmup_steps, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+def qadam(param, grads, lr, warmup_steps, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, local=None):
     """QAdam on one flat parameter shared by all ranks; ``grads[t][r]`` is rank r's gradient at step t+1.
 
-    Returns the parameter after every step (the same on all ranks).
+    ``local``: hierarchical, over nodes of ``local`` ranks.  Returns the parameter after every step (the same on
+    all ranks).
     """
+    average_momentum = (lambda ms: bytegrad(ms, True)) if local is None else \
+        (lambda ms: bytegrad_hierarchical(ms, local, True))
     b1, b2 = betas
     p = np.asarray(param, np.float64).copy()
     m, v = np.zeros_like(p), np.zeros_like(p)
@@ -119,11 +122,59 @@ def qadam(param, grads, lr, warmup_steps, betas=(0.9, 0.999), eps=1e-8, weight_d
             m = b1 * m + (1 - b1) * g
             v = b2 * v + (1 - b2) * g * g
         else:
-            local = [(b1 * m + (1 - b1) * g).astype(np.float32) for g in gs]
-            m = bytegrad(local, average=True)[0].astype(np.float64)
+            moments = [(b1 * m + (1 - b1) * g).astype(np.float32) for g in gs]
+            m = average_momentum(moments)[0].astype(np.float64)
         p = p - lr / (1 - b1**t) * m / (np.sqrt(v) / np.sqrt(1 - b2**t) + eps)
         history.append(p.astype(np.float32))
     return history
+
+
+# -- hierarchical variants ---------------------------------------------------------------------------
+# Bagua's meaning (DESIGN.md): full-precision average inside each node (``local`` consecutive ranks), the flat
+# algorithm between the nodes, every rank of a node ending with its node's result.  bagua_x runs the exchange
+# between nodes on ``local`` shards of the node average (shard i by the i-th rank of every node), so a
+# compressing algorithm quantises each shard's chunks on their own; these references do the same.
+
+def node_means(xs, local):
+    return [np.mean(np.stack(xs[k:k + local]).astype(np.float64), axis=0).astype(np.float32)
+            for k in range(0, len(xs), local)]
+
+
+def over_nodes(xs, local, exchange):
+    """``exchange(per_node_arrays)`` on each of the ``local`` shards of the node means; one result per rank."""
+    shards = [np.split(m, local) for m in node_means(xs, local)]  # shards[node][i]
+    per_shard = [exchange([s[i] for s in shards]) for i in range(local)]  # per_shard[i][node]
+    nodes = [np.concatenate([per_shard[i][k] for i in range(local)]) for k in range(len(shards))]
+    return [nodes[r // local].copy() for r in range(len(xs))]
+
+
+def bytegrad_hierarchical(xs, local, average=True):
+    if not average:  # sums: node sums, then the compressed sum
+        return over_nodes([x * np.float32(local) for x in xs], local, lambda ys: bytegrad(ys, False))
+    return over_nodes(xs, local, lambda ys: bytegrad(ys, True))
+
+
+def decentralized_hierarchical(xs, local, mode, step, interval):
+    if step % interval:
+        return [x.copy() for x in xs]
+    return over_nodes(xs, local, lambda ys: decentralized(ys, mode, step, interval))
+
+
+def low_precision_hierarchical(xs, local, node_states, step, interval):
+    """``node_states``: one ``{"w", "left", "right"}`` per node (every rank of a node holds the same)."""
+    if step % interval:
+        return [x.copy() for x in xs], node_states
+    means = node_means(xs, local)
+    m = len(means)
+    qs = [[quantize(shard) for shard in np.split(x + st["left"] / 3 + st["right"] / 3 - 5 * st["w"] / 3, local)]
+          for x, st in zip(means, node_states)]  # qs[node][shard]
+    deq = lambda k: np.concatenate([dequantize(*q) for q in qs[k % m]])  # noqa: E731
+    new_nodes, new_states = [], []
+    for k, st in enumerate(node_states):
+        x = st["w"] + deq(k)
+        new_nodes.append(x)
+        new_states.append({"w": x.copy(), "left": st["left"] + deq(k - 1), "right": st["right"] + deq(k + 1)})
+    return [new_nodes[r // local].copy() for r in range(len(xs))], new_states
 
 
 # -- PowerSGD ----------------------------------------------------------------------------------------

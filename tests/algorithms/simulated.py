@@ -190,25 +190,29 @@ class SimulatedCommunicator:
 
 
 class HierarchicalSimulatedCommunicator(SimulatedCommunicator):
-    """Also offers ``hierarchical_allreduce`` (Bagua's leader scheme) over nodes of ``local_size`` ranks."""
+    """Also offers ``within`` / ``across`` (Feature.HIERARCHICAL): simulated communicators over this rank's node
+    (``local_size`` consecutive ranks) and over the ranks at its place in every node, each with its own rendezvous
+    and its own ``sent`` record (so the bytes between nodes are ``across.sent``)."""
 
-    def __init__(self, rendezvous: Rendezvous, rank: int, local_size: int):
+    def __init__(self, rendezvous: Rendezvous, rank: int, within: SimulatedCommunicator,
+                 across: SimulatedCommunicator):
         super().__init__(rendezvous, rank)
-        self.local_size = local_size
+        self.within, self.across = within, across
 
     @property
     def features(self) -> frozenset:
         return frozenset({Feature.HIERARCHICAL})
 
-    def hierarchical_allreduce(self, x, op: ReduceOp = ReduceOp.SUM):
-        arrays = self._collective("hierarchical_allreduce", x, (op, self.local_size), 0.0)
-        local = self.local_size
-        leaders = [_reduce(arrays[n:n + local], ReduceOp.SUM if op is ReduceOp.AVG else op)
-                   for n in range(0, self.size, local)]
-        out = _reduce(leaders, ReduceOp.SUM if op is ReduceOp.AVG else op)
-        if op is ReduceOp.AVG:
-            out = out // self.size if np.issubdtype(out.dtype, np.integer) else (out / self.size).astype(out.dtype)
-        return out
+
+def _hierarchical(n: int, local: int, timeout: float) -> list[HierarchicalSimulatedCommunicator]:
+    if n % local:
+        raise ValueError(f"{n} ranks do not split into nodes of {local}")
+    rv, nodes = Rendezvous(n, timeout), n // local
+    blocks = [Rendezvous(local, timeout) for _ in range(nodes)]
+    places = [Rendezvous(nodes, timeout) for _ in range(local)]
+    return [HierarchicalSimulatedCommunicator(rv, r, SimulatedCommunicator(blocks[r // local], r % local),
+                                              SimulatedCommunicator(places[r % local], r // local))
+            for r in range(n)]
 
 
 def run(n: int, fn: Callable[[SimulatedCommunicator], Any], timeout: float = 5.0, local_size: int | None = None):
@@ -217,11 +221,12 @@ def run(n: int, fn: Callable[[SimulatedCommunicator], Any], timeout: float = 5.0
     The first exception raised on any rank is re-raised here (a rank's own error
     before the ``CollectiveError`` it caused on the others).
     """
-    rv = Rendezvous(n, timeout)
     if local_size is None:
-        comms = [SimulatedCommunicator(rv, r) for r in range(n)]
+        rendezvous = [Rendezvous(n, timeout)]
+        comms = [SimulatedCommunicator(rendezvous[0], r) for r in range(n)]
     else:
-        comms = [HierarchicalSimulatedCommunicator(rv, r, local_size) for r in range(n)]
+        comms = _hierarchical(n, local_size, timeout)
+        rendezvous = list({id(rv): rv for c in comms for rv in (c._rv, c.within._rv, c.across._rv)}.values())
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
 
@@ -232,7 +237,8 @@ def run(n: int, fn: Callable[[SimulatedCommunicator], Any], timeout: float = 5.0
             errors[r] = e
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             errors[r] = e
-            rv._barrier.abort()  # the others fail now instead of waiting for the timeout
+            for rv in rendezvous:  # the others fail now instead of waiting for the timeout
+                rv._barrier.abort()
 
     threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(n)]
     for t in threads:

@@ -140,13 +140,13 @@ def test_rows_checked():
         run(2, lambda c: c.alltoall(np.zeros((3, 2), np.float32)))
 
 
-@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX])
-def test_hierarchical_allreduce_equals_flat(op):
-    xs = inputs(4)
-    out, comms = run(4, lambda c: (c.hierarchical_allreduce(xs[c.rank], op), c.allreduce(xs[c.rank], op)),
-                     local_size=2)
-    for hier, flat in out:
-        assert np.abs(hier - flat).max() <= 1e-6  # different summation order: seen <= 5e-7
+def test_nodes_are_consecutive_ranks_and_places_across_them():
+    out, comms = run(8, lambda c: (c.within.allgather(np.array([c.rank])), c.across.allgather(np.array([c.rank]))),
+                     local_size=4)
+    for r, (within, across) in enumerate(out):
+        assert within.ravel().tolist() == list(range(r - r % 4, r - r % 4 + 4))  # this rank's node
+        assert across.ravel().tolist() == [r % 4, r % 4 + 4]  # this rank's place in each node
+        assert (comms[r].within.rank, comms[r].across.rank) == (r % 4, r // 4)
 
 
 def test_switch_wants_an_integer_index_in_range():

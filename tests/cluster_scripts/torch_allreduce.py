@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import bagua_x.torch as bxt
-from bagua_x.core import ReduceOp
+from bagua_x.algorithms import GradientAllReduce
 
 out = sys.argv[1]
 crash = int(sys.argv[sys.argv.index("--crash-rank") + 1]) if "--crash-rank" in sys.argv else None
@@ -24,9 +24,9 @@ rank, world = dist.get_rank(), dist.get_world_size()
 if rank == crash:
     raise SystemExit(f"rank {rank} crashes on purpose")
 comm = bxt.TorchCommunicator()
-comm.enable_hierarchical()
+comm.enable_hierarchical(required=True)
 x = torch.arange(1000, dtype=torch.float32) * (rank + 1)
-hier = comm.hierarchical_allreduce(x.clone(), ReduceOp.SUM).numpy()
+hier = GradientAllReduce(average=False, hierarchical=True).reduce(x.clone(), None, {}, comm)[0].numpy()
 flat = x.clone()
 dist.all_reduce(flat)
 expected = np.sum([np.arange(1000, dtype=np.float32) * (r + 1) for r in range(world)], axis=0)

@@ -213,3 +213,81 @@ def crafted_pickle_refused(marker):
         out["store"] = str(e)
     dist.barrier()
     return out
+
+
+class _CountingStore:
+    """A torch.distributed store that records the name of every request made through it or its clones."""
+
+    def __init__(self, store, calls):
+        self._store, self._calls = store, calls
+
+    def clone(self):
+        self._calls.append("clone")
+        return _CountingStore(self._store.clone(), self._calls)
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def request(*args, **kwargs):
+            self._calls.append(name)
+            return attr(*args, **kwargs)
+        return request
+
+
+def store_requests_during_training(steps=20):
+    """The store requests bagua_x makes during ``steps`` training steps of a gradient, a decentralized and a
+    weight-averaging engine (several buckets each), after one warm-up step."""
+    import torch
+    import torch.distributed as dist
+
+    import bagua_x.torch as bxt
+    from bagua_x.algorithms import Decentralized, GradientAllReduce, ModelAverage
+
+    _init()
+    c10d = dist.distributed_c10d
+    calls = []
+    counting = _CountingStore(c10d._get_default_store(), calls)
+    c10d._get_default_store = lambda: counting  # where bagua_x gets the store from
+    wrapped = []
+    for algorithm in (GradientAllReduce(), Decentralized(), ModelAverage()):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        wrapped.append((bxt.wrap(model, opt, algorithm=algorithm, bucket_cap_mb=5e-5), opt))
+    for w, opt in wrapped:
+        _step(w, opt)
+    deadline = time.monotonic() + 30
+    while "wait" not in calls and time.monotonic() < deadline:  # the responder thread has started waiting
+        time.sleep(0.05)
+    dist.barrier()
+    before = len(calls)
+    for _ in range(steps):
+        for w, opt in wrapped:
+            _step(w, opt)
+    dist.barrier()
+    return {"setup": sorted(set(calls[:before])), "during": calls[before:],
+            "buckets": sum(len(w.buckets) for w, _ in wrapped)}
+
+
+def store_host_gone_before_inspector():
+    """Rank 0, the store's host, exits; then rank 1 builds a StallInspector (as wrap() does for each engine) and
+    asks it for a stall report: how long each took, and the report."""
+    import torch.distributed as dist
+
+    from bagua_x.algorithms.base import Target
+    from bagua_x.core.bucket import Bucket
+    from bagua_x.torch.buckets import register_parameters
+    from bagua_x.torch.stall import StallInspector
+
+    rank, _ = _init()
+    dist.barrier()
+    if rank == 0:
+        os._exit(0)
+    time.sleep(1)
+    bucket = Bucket("weight_bucket_0", register_parameters(list(_model().named_parameters()), Target.WEIGHT))
+    start = time.monotonic()
+    inspector = StallInspector(None)
+    built = time.monotonic()
+    message = inspector.report(bucket, stuck=True)
+    return {"build_s": built - start, "report_s": time.monotonic() - built, "message": message}

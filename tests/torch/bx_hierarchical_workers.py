@@ -1,38 +1,99 @@
-"""Hierarchical allreduce workers (import name ``bx_hierarchical_workers``): 4 ranks as 2 nodes of 2."""
+"""Hierarchical workers (import name ``bx_hierarchical_workers``): 4 gloo ranks as 2 nodes of 2 (LOCAL_WORLD_SIZE=2)."""
 
 from __future__ import annotations
 
+NUMEL, STEPS = 800, 3
 
-def hierarchical(steps=3):
+
+def inputs(step: int, n: int = 4, scale: float = 0.05):
+    """Every rank's flat input at ``step`` (the test rebuilds them for the numpy reference)."""
+    import numpy as np
+
+    rng = np.random.default_rng(500 + step)
+    return [(rng.standard_normal(NUMEL) * scale).astype(np.float32) for _ in range(n)]
+
+
+def algorithms():
+    """The algorithms' ``reduce`` on real gloo node groups, several steps each, state threaded through."""
+    import torch
+    import torch.distributed as dist
+
+    import bagua_x.torch as bxt
+    from bagua_x.algorithms import ByteGrad, Decentralized, GradientAllReduce, LowPrecisionDecentralized, QAdam
+    from bagua_x.core import ReduceOp
+    from bagua_x.core.bucket import BucketLayout
+    from bagua_x.core.comm import Feature
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    comm = bxt.TorchCommunicator()
+    comm.enable_hierarchical(required=True)
+    layout = BucketLayout(["x"], [(NUMEL,)], "float32")
+    out = {"features": sorted(f.value for f in comm.features),
+           "ranks": [comm.within.rank, comm.within.size, comm.across.rank, comm.across.size],
+           "within_gather": comm.within.allgather(torch.tensor([rank])).ravel().tolist(),
+           "across_gather": comm.across.allgather(torch.tensor([rank])).ravel().tolist(),
+           "across_avg": comm.across.allreduce(torch.tensor([float(rank)]), ReduceOp.AVG).tolist()}
+    assert Feature.HIERARCHICAL in comm.features
+    runs = {"allreduce": GradientAllReduce(hierarchical=True), "bytegrad": ByteGrad(),
+            "bytegrad_sum": ByteGrad(average=False), "decentralized": Decentralized(peer_selection_mode="shift_one"),
+            "qadam_momentum": QAdam()}
+    for name, alg in runs.items():
+        state = alg.init(torch.from_numpy(inputs(0)[rank]), layout, 4)
+        results = []
+        for t in range(STEPS):
+            x, state = alg.reduce(torch.from_numpy(inputs(t)[rank].copy()), layout, state, comm)
+            results.append(x.numpy().copy())
+        out[name] = results
+    lpd = LowPrecisionDecentralized()
+    x = torch.from_numpy(inputs(99, scale=0.1)[0].copy())  # the same weights everywhere, as after wrap
+    state, results = lpd.init(x, layout, 4), []
+    for t in range(STEPS):
+        x, state = lpd.reduce(x + torch.from_numpy(inputs(t, scale=0.01)[rank]), layout, state, comm)
+        results.append(x.numpy().copy())
+    out["lpd"] = results
+    dist.destroy_process_group()
+    return out
+
+
+def training(steps: int = 30):
+    """wrap() with each algorithm at its default (hierarchical on 2 nodes of 2), against DDP."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bagua_x.torch as bxt
-    from bagua_x.algorithms import GradientAllReduce
-    from bagua_x.core import ReduceOp
+    from bagua_x.algorithms import ByteGrad, Decentralized, GradientAllReduce, LowPrecisionDecentralized
+    from bagua_x.core.comm import Feature
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    comm = bxt.TorchCommunicator()
-    comm.enable_hierarchical()
-    x = torch.arange(6, dtype=torch.float32) * (rank + 1)
-    ops = {op.value: comm.hierarchical_allreduce(x, op).numpy() for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX)}
-
     g = torch.Generator().manual_seed(rank)
-    xs, ys = torch.randn(steps, 8, 5, generator=g), torch.randn(steps, 8, 1, generator=g)
-    params = {}
-    for system in ("ddp", "bagua_x"):
-        torch.manual_seed(rank)  # different initial weights on each rank
-        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        wrapped = DDP(model) if system == "ddp" else bxt.wrap(model, opt, algorithm=GradientAllReduce(hierarchical=True))
+    xs = torch.randn(steps, 16, 5, generator=g)
+    ys = xs.sum(-1, keepdim=True).sin()
+    systems = {"ddp": None, "allreduce": GradientAllReduce(hierarchical=True), "bytegrad": ByteGrad(),
+               "decentralized": Decentralized(), "lpd": LowPrecisionDecentralized(), "qadam": "qadam"}
+    out = {}
+    for name, alg in systems.items():
+        torch.manual_seed(rank)  # different initial weights on each rank: wrap broadcasts rank 0's
+        model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        if alg == "qadam":
+            opt = bxt.QAdamOptimizer(model.parameters(), lr=0.02, warmup_steps=5)
+            wrapped = bxt.wrap(model, opt)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            wrapped = DDP(model) if alg is None else bxt.wrap(model, opt, algorithm=alg)
+        losses = []
         for s in range(steps):
             opt.zero_grad()
-            F.mse_loss(wrapped(xs[s]), ys[s]).backward()
+            loss = F.mse_loss(wrapped(xs[s]), ys[s])
+            loss.backward()
             opt.step()
-        params[system] = [p.detach().clone().numpy() for p in model.parameters()]
-        if system == "bagua_x":
+            losses.append(loss.item())
+        out[name] = {"losses": losses, "params": [p.detach().clone().numpy() for p in model.parameters()]}
+        if alg is not None:
+            out[name]["hierarchical"] = Feature.HIERARCHICAL in wrapped.comm.features
             wrapped.shutdown()
-    return {"ops": ops, "params": params}
+    dist.destroy_process_group()
+    return out

@@ -41,7 +41,10 @@ def test_skipped_step_names_bucket_and_rank(algorithm, bucket):
 
 
 def test_stall_report_at_four_ranks_names_the_lagging_rank():
-    """Rank 2 skips a backward and idles: ranks 0, 1 and 3 each name bucket, tensors and rank 2 with its count."""
+    """Rank 2 skips a backward and idles: ranks 0, 1 and 3 each name bucket, tensors and rank 2 with its count.
+
+    The counts reach the store only once a wait has failed: each report wakes every rank's responder thread.
+    Ranks 1 and 3 exit after their reports, which may be before the others': their answers still count."""
     timeout = 4.0
     results = run_workers("bx_fault_workers:rank_skips_backward", nproc=4, timeout=120, env=ENV,
                           args=(timeout, "GradientAllReduce", 2))
@@ -56,6 +59,38 @@ def test_stall_report_at_four_ranks_names_the_lagging_rank():
                 or "grad_bucket_0 failed on the communication thread" in message), message
         assert "'0.weight'" in message and "'2.bias'" in message, message
         assert f"ranks [2] had not marked it ready (rank 2: 2 times; this rank {rank}: 3 times)" in message, message
+
+
+def test_stall_report_names_a_dead_rank_as_not_answering():
+    """Rank 1 of 4 exits: a survivor's report names it as not answering; ranks 2 and 3 answered (alive)."""
+    timeout = 5.0
+    results = run_workers("bx_fault_workers:rank_dies", nproc=4, timeout=120, env=ENV,
+                          args=("GradientAllReduce", timeout), expect_failure=True)
+    kind, out = results[0]
+    assert kind == "ok" and out["type"] == "BaguaXError", out
+    message = out["message"]
+    assert "rank 1: no answer within 2 s (dead, exited, or its process is frozen)" in message, message
+    assert "rank 2: no answer" not in message and "rank 3: no answer" not in message, message
+
+
+def test_no_store_request_per_step():
+    """Steady-state training makes no store request at all: launch counts stay in memory until a wait fails."""
+    for out in run_workers("bx_fault_workers:store_requests_during_training", nproc=2, timeout=120, env=ENV):
+        assert out["buckets"] > 3, out  # several buckets per engine: per-bucket traffic would show
+        assert "wait" in out["setup"], out  # the responder waits for an alarm (one request, before training)
+        assert out["during"] == [], out
+
+
+def test_stall_inspector_does_not_hang_when_the_store_host_has_gone():
+    """Connecting to a store whose host has exited retries for the store's whole timeout (30 min): the engine is
+    built at once, and the report says within seconds that the store is unreachable, naming the tensors."""
+    results = run_workers("bx_fault_workers:store_host_gone_before_inspector", nproc=2, timeout=60, env=ENV,
+                          expect_failure=True)
+    kind, out = results[1]
+    assert kind == "ok", out
+    assert out["build_s"] < 1, out
+    assert out["report_s"] < 10, out
+    assert "'0.weight'" in out["message"] and "could not connect to the torch.distributed store" in out["message"], out
 
 
 @pytest.mark.parametrize("case,expected", [

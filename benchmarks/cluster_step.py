@@ -1,0 +1,95 @@
+"""Step time on a cluster of nodes: each algorithm flat and hierarchical against DDP, in one job.
+
+    sudo bagua-x cluster --nodes 2 --nproc-per-node 2 --inter-node 1gbit -- \\
+        python benchmarks/cluster_step.py [--algorithms bytegrad qadam] [--json OUT]
+
+Every rank (launched by torchrun inside its node's network namespace) builds
+the model of ``torch_vs_ddp.py`` (12 x Linear(1024, 1024), batch 64 per rank;
+QAdam against DDP + Adam) once per system: DDP, then each algorithm with
+``hierarchical=False`` and at its default (hierarchical on >= 2 nodes of >= 2
+ranks).  The systems run in interleaved rounds, the order reversed every
+other round, so all see the same machine load; rank 0 prints the median step
+times and their ratios to DDP as one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch_vs_ddp as bench  # noqa: E402  (the model, the optimizer and the timing loop)
+
+
+def build_system(name: str, seed: int, bucket_cap_mb: float):
+    """``(model, optimizer)`` of one system: ``ddp``, ``ddp_adam`` or ``<algorithm>/<flat|hierarchical>``."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bagua_x.torch as bxt
+    from bagua_x import algorithms as A
+
+    if name.startswith("ddp"):
+        model, opt = bench.build(seed, "ddp", "qadam" if name == "ddp_adam" else "allreduce")
+        return DDP(model, bucket_cap_mb=bucket_cap_mb), opt
+    algorithm, mode = name.split("/")
+    hierarchical = None if mode == "hierarchical" else False
+    model, opt = bench.build(seed, "bagua_x", algorithm)
+    if algorithm == "qadam":  # the algorithm is the optimizer's
+        opt = bxt.QAdamOptimizer(model.parameters(), lr=1e-4, warmup_steps=2, hierarchical=hierarchical)
+        return bxt.wrap(model, opt, bucket_cap_mb=bucket_cap_mb), opt
+    make = {"allreduce": A.GradientAllReduce, "bytegrad": A.ByteGrad, "decentralized": A.Decentralized,
+            "low_precision_decentralized": A.LowPrecisionDecentralized}[algorithm]
+    return bxt.wrap(model, opt, algorithm=make(hierarchical=hierarchical), bucket_cap_mb=bucket_cap_mb), opt
+
+
+def main():
+    import torch
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algorithms", nargs="+", default=["bytegrad", "qadam"],
+                        choices=["allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam"])
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(64, 1024, generator=g), torch.randint(0, 10, (64,), generator=g)
+    names = ["ddp"] + (["ddp_adam"] if "qadam" in args.algorithms else [])
+    names += [f"{a}/{mode}" for a in args.algorithms for mode in ("flat", "hierarchical")]
+    systems = {n: build_system(n, rank, args.bucket_cap_mb) for n in names}
+    times = {n: [] for n in names}
+    for model, opt in systems.values():
+        bench.timed(model, opt, x, y, args.warmup)
+    for round_ in range(args.rounds):
+        for n in names if round_ % 2 == 0 else names[::-1]:
+            times[n].append(bench.timed(*systems[n], x, y, args.steps))
+    if rank == 0:
+        ms = {n: statistics.median(v) * 1000 for n, v in times.items()}
+        baseline = lambda n: ms["ddp_adam" if n.startswith("qadam") else "ddp"]  # noqa: E731
+        result = {"world": dist.get_world_size(), "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                  "ms": ms,
+                  "ratio_to_ddp": {n: ms[n] / baseline(n) for n in names if "/" in n}}
+        print(json.dumps(result), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    for model, _ in systems.values():
+        if hasattr(model, "shutdown"):
+            model.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
