@@ -40,7 +40,7 @@ from ..core.bucket import BucketLayout
 from ..core.comm import Feature
 from ..core.errors import BaguaXError
 from .communicator import TorchCommunicator
-from .grad_sync import run_reduce
+from .bucketed import run_reduce
 
 __all__ = ["CommHookState", "comm_hook"]
 

@@ -17,6 +17,11 @@ engine                 algorithms                          communicates
 ``MomentumEngine``     target MOMENTUM (QAdam)              gradients in warmup, then ``exp_avg``
 ``AsyncAverageEngine`` phase BACKGROUND (AsyncModelAverage) weights, on a thread of its own
 =====================  ==================================  ========================================
+
+The bucket lifecycle (per-bucket state, the communication thread, backward
+hooks and their end-of-backward wait) is written once in :mod:`.bucketed`;
+GradientEngine and QAdam's momentum phase are its ``BackwardEngine``,
+WeightEngine its ``BucketedEngine``.
 """
 
 from __future__ import annotations

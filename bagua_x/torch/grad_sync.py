@@ -30,44 +30,20 @@ from typing import Optional, Sequence
 import torch
 
 from ..algorithms.base import Algorithm, Target
-from ..core.bucket import Bucket, BucketLayout
+from ..core.bucket import Bucket
 from ..core.comm import ReduceOp
-from ..core.readiness import BucketDispatcher
 from ..core.tensor import RegisteredTensor
 from .bucket_order import ORDER_KEY, agree_on_order, check_order, complete_order, ordered
-from .buckets import build_buckets, load_states, register_parameters, state_dict_of
-from .checks import check_dense_grad, check_finite, non_finite_tensors
+from .bucketed import BackwardEngine
+from .buckets import build_buckets, register_parameters
+from .checks import check_dense_grad
 from .communicator import TorchCommunicator
 from .distributed import check_same_buckets
 from .engine import EngineOptions
-from .runtime import BackwardHooks, CommWorker
-from .stall import StallInspector
 
-__all__ = ["GradientEngine", "run_reduce", "reduce_bucket"]
+__all__ = ["GradientEngine"]
 
 log = logging.getLogger(__name__)
-
-def run_reduce(algorithm: Algorithm, flat: torch.Tensor, layout: BucketLayout, state: dict,
-               comm: TorchCommunicator) -> dict:
-    """``flat <- reduce(flat)``, in place; returns the new state."""
-    if algorithm.donates_input:
-        with comm.donate(flat):
-            out, state = algorithm.reduce(flat, layout, state, comm)
-    else:
-        out, state = algorithm.reduce(flat, layout, state, comm)
-    if out is not flat:
-        flat.copy_(out)
-    return state
-
-
-def reduce_bucket(algorithm: Algorithm, bucket: Bucket, flat: torch.Tensor, state: dict, comm: TorchCommunicator,
-                  finite: bool, what: str) -> dict:
-    """:func:`run_reduce` on one bucket's ``flat`` values, then (``finite``) the check_finite check."""
-    local_bad = non_finite_tensors(bucket, flat) if finite else []
-    state = run_reduce(algorithm, flat, bucket.layout, state, comm)
-    if finite:
-        check_finite(bucket, flat, local_bad, what)
-    return state
 
 
 def _grad_bucket(name: str, tensors: list[RegisteredTensor], alignment: int) -> Bucket:
@@ -83,38 +59,36 @@ def _grad_bucket(name: str, tensors: list[RegisteredTensor], alignment: int) -> 
     return bucket
 
 
-class GradientEngine:
+class GradientEngine(BackwardEngine):
     """Runs a gradient algorithm on bucketed ``p.grad`` during backward."""
+
+    what = "gradient"
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: Algorithm,
                  comm: TorchCommunicator, *, options: EngineOptions):
         assert algorithm.target is Target.GRAD
-        self.algorithm, self.comm, self.find_unused = algorithm, comm, options.find_unused_parameters
-        self.check_finite, self._cap = options.check_finite, options.bucket_cap_mb
         tensors = register_parameters(named_params, Target.GRAD)
-        self._tensors, self._index = tensors, {t.name: i for i, t in enumerate(tensors)}
+        super().__init__(tensors, algorithm, comm, options, "bagua_x-grad-comm")
+        self._cap = options.bucket_cap_mb
+        self._index = {t.name: i for i, t in enumerate(tensors)}
         # names in ready order during the first synchronised backward; None once the buckets follow it
         self._recorded: Optional[list[str]] = []
         self._order: Optional[list[str]] = None  # the rebuilt buckets' order (None: registration order)
-        self._set_buckets(tensors)
-        self.enabled = True  # False inside no_sync()
-        self._worker = CommWorker("bagua_x-grad-comm", tensors[0].proxy.device, comm.timeout,
-                                  StallInspector(comm.group))
-        self._hooks = BackwardHooks(tensors, self._on_grad, self._finish, lambda: self.enabled)
+        self._without_grad: Optional[torch.Tensor] = None
+        self._build(tensors)
 
-    def _set_buckets(self, tensors: Sequence[RegisteredTensor]) -> None:
+    def _build(self, tensors: Sequence[RegisteredTensor]) -> None:
         """Bucket ``tensors`` in this order (gradients move into the new buffers) with fresh algorithm state."""
-        self.buckets: list[Bucket] = build_buckets(tensors, self.algorithm, self.comm.size, self._cap,
-                                                   "grad_bucket_", make=_grad_bucket)
-        self.states = [self.algorithm.init(b.buffer, b.layout, self.comm.size) for b in self.buckets]
-        self._dispatcher = BucketDispatcher(self.buckets, self._launch)
+        buckets = build_buckets(tensors, self.algorithm, self.comm.size, self._cap, "grad_bucket_",
+                                make=_grad_bucket)
+        self._set_buckets(buckets, [self.algorithm.init(b.buffer, b.layout, self.comm.size) for b in buckets])
         # each gradient's place in its bucket, as a tensor of its shape: the hooks' fast path compares identity
         self._views = {t.name: t.bucket.buffer[t.offset:t.offset + t.proxy.numel()].view(t.proxy.shape)
                        for t in tensors}
         log.info("bagua_x: %s on %d gradient buckets %s", type(self.algorithm).__name__, len(self.buckets),
                  self.buckets)
 
-    def _on_grad(self, t: RegisteredTensor) -> None:
+    def _on_ready(self, t: RegisteredTensor) -> None:
         """A gradient is final: re-swap it now if it was recreated (its one copy overlaps the rest of
         backward instead of delaying its bucket's communication), then mark it ready.
 
@@ -138,43 +112,35 @@ class GradientEngine:
         t.mark_ready()
 
     def _launch(self, bucket: Bucket) -> None:
-        if self._recorded is not None:  # first backward: its buckets are communicated after the rebuild
-            return
-        i = self.buckets.index(bucket)
-        self._worker.submit(f"{type(self.algorithm).__name__} on {bucket.name}", lambda: self._reduce(i), bucket)
+        if self._recorded is None:  # first backward: its buckets are communicated after the rebuild
+            super()._launch(bucket)
 
-    def _reduce(self, i: int) -> None:
-        bucket = self.buckets[i]
+    def _prepare(self, bucket: Bucket) -> None:
         if any(t.proxy.grad is not self._views[t.name] for t in bucket.tensors):
             bucket.ensure_flattened()  # a gradient replaced after its hook: never communicate a stale value
-        self.states[i] = reduce_bucket(self.algorithm, bucket, bucket.buffer, self.states[i], self.comm,
-                                       self.check_finite, "gradient")
 
-    def _finish(self) -> None:
-        """End of backward: handle unused parameters, rebuild after the first backward, wait for every
-        bucket, reset readiness."""
-        try:
-            without_grad = self._mark_unused() if self.find_unused else None
-            if self._recorded is not None:
-                self._dispatcher.check_all_dispatched()
-                mine = complete_order(self._recorded, self._tensors)
-                self._rebuild(agree_on_order(mine, self.comm, self._tensors))
-                for t in self._tensors:  # now communicate the first step's gradients in the new buckets
-                    t.mark_ready()
-            self._worker.wait()
+    def _before_wait(self) -> None:
+        """Handle unused parameters; after the first backward, rebuild the buckets and launch them all."""
+        self._without_grad = self._mark_unused() if self.find_unused else None
+        if self._recorded is not None:
             self._dispatcher.check_all_dispatched()
-            if without_grad is not None:  # as DDP: a parameter no rank used keeps p.grad None
-                for t, unused in zip(self._tensors, without_grad.tolist()):
-                    if unused:
-                        t.proxy.grad = None
-        finally:
-            self._dispatcher.reset()
+            mine = complete_order(self._recorded, self._tensors)
+            self._rebuild(agree_on_order(mine, self.comm, self._tensors))
+            for t in self._tensors:  # now communicate the first step's gradients in the new buckets
+                t.mark_ready()
+
+    def _after_wait(self) -> None:
+        without_grad, self._without_grad = self._without_grad, None
+        if without_grad is not None:  # as DDP: a parameter no rank used keeps p.grad None
+            for t, unused in zip(self._tensors, without_grad.tolist()):
+                if unused:
+                    t.proxy.grad = None
 
     def _rebuild(self, order: Optional[list[str]]) -> None:
         """Buckets in ``order``, checked across ranks (None: registration order, and record the next backward's)."""
         self._recorded = None if order is not None else []
         self._order = order
-        self._set_buckets(ordered(self._tensors, order))
+        self._build(ordered(self._tensors, order))
         check_same_buckets(self.buckets, {"gradient bucket order": "rebuilt" if order else "registration"},
                            self.comm, "bagua_x: gradient buckets rebuilt in ready order differ across ranks",
                            kind="grad_order")
@@ -188,27 +154,20 @@ class GradientEngine:
         had_none = torch.zeros(len(self._tensors), dtype=torch.int32, device=self._tensors[0].proxy.device)
         for t in self._dispatcher.unready_tensors():
             had_none[self._index[t.name]] = int(t.proxy.grad is None)
-            self._on_grad(t)
+            self._on_ready(t)
         self._worker.submit("the unused-parameter check",
                             lambda: had_none.copy_(self.comm.allreduce(had_none, ReduceOp.MIN)))
         return had_none
 
     def settle(self) -> None:
-        """Before a forward: end the communication of a backward that raised before its end-of-backward callback."""
-        if self._hooks.queued:
-            self._hooks.queued = False
-            if self._recorded is not None:  # an order cut short: record the next backward's instead
-                self._recorded = []
-            self._dispatcher.reset()
-            self._worker.wait()  # let buckets already launched finish, so collectives stay paired
-
-    def before_forward(self) -> None:
-        """Gradients are communicated during backward: nothing starts at forward."""
+        if self._hooks.queued and self._recorded is not None:  # an order cut short: record the next backward's
+            self._recorded = []
+        super().settle()
 
     def state_dict(self) -> dict:
         """Per-bucket state and, once rebuilt, the buckets' order (so a resumed run has the same buckets)."""
         order = {} if self._order is None else {ORDER_KEY: list(self._order)}
-        return {**state_dict_of(self.buckets, self.states), **order}
+        return {**super().state_dict(), **order}
 
     def load_state_dict(self, saved: dict) -> None:
         saved = dict(saved)
@@ -217,8 +176,4 @@ class GradientEngine:
             order = check_order(order, self._tensors, "the checkpoint's gradient bucket order")
         if order != self._order:
             self._rebuild(order)
-        load_states(self.buckets, self.states, saved)
-
-    def close(self) -> None:
-        self._hooks.remove()
-        self._worker.close()
+        super().load_state_dict(saved)

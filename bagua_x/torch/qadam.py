@@ -21,7 +21,7 @@ into its bucket at the next communication.
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -29,17 +29,15 @@ from ..algorithms import GradientAllReduce, QAdam
 from ..algorithms.qadam import momentum_update
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
-from ..core.readiness import BucketDispatcher
 from ..core.tensor import RegisteredTensor, TensorRegistry
+from .bucketed import BackwardEngine
 from .buckets import build_buckets
 from .communicator import TorchCommunicator
-from .engine import EngineOptions
-from .grad_sync import GradientEngine, reduce_bucket
 from .distributed import check_same_buckets
-from .runtime import BackwardHooks, CommWorker
-from .stall import StallInspector
+from .engine import EngineOptions
+from .grad_sync import GradientEngine
 
-__all__ = ["QAdamOptimizer", "MomentumEngine"]
+__all__ = ["QAdamOptimizer", "MomentumEngine", "MomentumBuckets"]
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +103,12 @@ class QAdamOptimizer(torch.optim.Optimizer):
 
 
 class MomentumEngine:
-    """Gradient allreduce during warmup, then compressed momentum buckets (see module docstring)."""
+    """Gradient allreduce during warmup, then compressed momentum buckets (see module docstring).
+
+    Each phase is an engine of its own (a :class:`GradientEngine`, then a
+    :class:`MomentumBuckets`); this one switches between them at forward and
+    hands every other call to the current one.
+    """
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: QAdam,
                  comm: TorchCommunicator, *, options: EngineOptions):
@@ -121,103 +124,44 @@ class MomentumEngine:
                 "pass algorithm=None (or optimizer.algorithm) to use the optimizer's settings"
             )
         self.algorithm, self.comm, self.optimizer, self.options = algorithm, comm, optimizer, options
-        self._named, self._cap, self._find_unused = list(named_params), options.bucket_cap_mb, \
-            options.find_unused_parameters
-        self.check_finite = options.check_finite
-        self._grad_engine: Optional[GradientEngine] = None
-        self._momentum_ready = False
-        self.enabled = True
-        if optimizer.in_warmup:
-            self._grad_engine = GradientEngine(self._named, GradientAllReduce(hierarchical=algorithm.hierarchical),
-                                               comm, options=options)
+        self._named = list(named_params)
+        self._enabled = True
+        self._phase: Union[GradientEngine, MomentumBuckets] = self._start_phase(optimizer.in_warmup)
+
+    def _start_phase(self, warmup: bool) -> Union[GradientEngine, "MomentumBuckets"]:
+        if warmup:
+            phase = GradientEngine(self._named, GradientAllReduce(hierarchical=self.algorithm.hierarchical),
+                                   self.comm, options=self.options)
         else:
-            self._build_momentum_buckets()
+            phase = MomentumBuckets(self._named, self.algorithm, self.comm, self.options, self.optimizer)
+        phase.enabled = self._enabled
+        return phase
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._enabled = self._phase.enabled = value
 
     @property
     def buckets(self) -> list[Bucket]:
-        return self._grad_engine.buckets if self._grad_engine is not None else self._buckets
+        return self._phase.buckets
 
     def settle(self) -> None:
-        """Before a forward: end the communication of a backward that raised before its end-of-backward callback."""
-        if self._grad_engine is not None:
-            self._grad_engine.settle()
-        elif self._hooks.queued:
-            self._hooks.queued = False
-            self._dispatcher.reset()
-            self._worker.wait()
+        self._phase.settle()
 
-    # -- the switch ---------------------------------------------------------------------------
     def before_forward(self) -> None:
+        """The switch: follow the optimizer's ``step_id`` (either way: a loaded state may go back to warmup)."""
         warmup = self.optimizer.in_warmup
-        if self._grad_engine is None and warmup:  # an optimizer state saved during warmup was loaded
-            log.info("bagua_x QAdam: optimizer back in warmup at step %d; communicating gradients again",
-                     self.optimizer.step_id)
-            self._close_momentum()
-            self._grad_engine = GradientEngine(self._named, GradientAllReduce(hierarchical=self.algorithm.hierarchical),
-                                               self.comm, options=self.options)
-        if self._grad_engine is not None:
-            self._grad_engine.enabled = self.enabled
-            if warmup:
-                return
-            self._grad_engine.close()
-            self._grad_engine = None
-            log.info("bagua_x QAdam: warmup over after %d steps; communicating 8-bit momentum",
-                     self.optimizer.step_id)
-            self._build_momentum_buckets()
+        if warmup == isinstance(self._phase, GradientEngine):
+            return
+        log.info("bagua_x QAdam: %s at step %d", "optimizer back in warmup; communicating gradients again" if warmup
+                 else "warmup over; communicating 8-bit momentum", self.optimizer.step_id)
+        self._phase.close()
+        self._phase = self._start_phase(warmup)
 
-    def _build_momentum_buckets(self) -> None:
-        opt = self.optimizer
-        registry = TensorRegistry()
-        tensors = [
-            registry.register(name, p, lambda p: opt.state[p]["exp_avg"],
-                              lambda p, t: opt.state[p].__setitem__("exp_avg", t))
-            for name, p in reversed(self._named) if p.requires_grad
-        ]
-        self._groups = {id(p): g for g in opt.param_groups for p in g["params"]}
-        missing = [t.name for t in tensors if id(t.proxy) not in self._groups]
-        if missing:
-            raise BaguaXError(f"parameters {missing} are not in the QAdamOptimizer; give it model.parameters()")
-        self._buckets = build_buckets(tensors, self.algorithm, self.comm.size, self._cap, "momentum_bucket_")
-        # buckets are rebuilt here, mid-training: check that every rank rebuilt the same ones at the same step
-        check_same_buckets(self._buckets, {"QAdam warmup over at step": opt.step_id}, self.comm,
-                           "bagua_x QAdam: momentum buckets built at the end of warmup differ across ranks")
-        for b in self._buckets:
-            b.flatten()
-        self._dispatcher = BucketDispatcher(self._buckets, self._launch)
-        self._worker = CommWorker("bagua_x-momentum-comm", tensors[0].proxy.device, self.comm.timeout,
-                                  StallInspector(self.comm.group))
-        self._hooks = BackwardHooks(tensors, self._on_grad, self._finish, lambda: self.enabled)
-
-    # -- momentum phase ---------------------------------------------------------------------
-    @torch.no_grad()
-    def _on_grad(self, t: RegisteredTensor) -> None:
-        p = t.proxy
-        group = self._groups[id(p)]
-        m = t.effective()
-        if p.grad is not None:  # an unused parameter keeps decaying its momentum with a zero gradient
-            m.copy_(momentum_update(m, self.optimizer.decayed_grad(p, group), group["betas"][0]))
-        else:
-            m.mul_(group["betas"][0])
-        t.mark_ready()
-
-    def _launch(self, bucket: Bucket) -> None:
-        self._worker.submit(f"QAdam momentum on {bucket.name}", lambda: self._reduce(bucket), bucket)
-
-    def _reduce(self, bucket: Bucket) -> None:
-        bucket.ensure_flattened()  # QAdam.reduce keeps no state here: the optimizer holds the moments
-        reduce_bucket(self.algorithm, bucket, bucket.buffer, {}, self.comm, self.check_finite, "momentum")
-
-    def _finish(self) -> None:
-        try:
-            if self._find_unused:
-                for t in self._dispatcher.unready_tensors():
-                    self._on_grad(t)
-            self._worker.wait()
-            self._dispatcher.check_all_dispatched()
-        finally:
-            self._dispatcher.reset()
-
-    # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """QAdam's state is the optimizer's own (``optimizer.state_dict()``, step counter included)."""
         return {}
@@ -226,11 +170,44 @@ class MomentumEngine:
         """Nothing to load: a reloaded optimizer state is re-swapped into the buckets at the next step."""
 
     def close(self) -> None:
-        if self._grad_engine is not None:
-            self._grad_engine.close()
-        else:
-            self._close_momentum()
+        self._phase.close()
 
-    def _close_momentum(self) -> None:
-        self._hooks.remove()
-        self._worker.close()
+
+class MomentumBuckets(BackwardEngine):
+    """After warmup: each parameter's ``exp_avg`` is the effective tensor, updated in its backward hook
+    and averaged 8-bit by :meth:`QAdam.reduce` bucket by bucket."""
+
+    what = "momentum"
+
+    def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: QAdam,
+                 comm: TorchCommunicator, options: EngineOptions, optimizer: QAdamOptimizer):
+        registry = TensorRegistry()
+        tensors = [
+            registry.register(name, p, lambda p: optimizer.state[p]["exp_avg"],
+                              lambda p, t: optimizer.state[p].__setitem__("exp_avg", t))
+            for name, p in reversed(named_params) if p.requires_grad
+        ]
+        self._groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        missing = [t.name for t in tensors if id(t.proxy) not in self._groups]
+        if missing:
+            raise BaguaXError(f"parameters {missing} are not in the QAdamOptimizer; give it model.parameters()")
+        buckets = build_buckets(tensors, algorithm, comm.size, options.bucket_cap_mb, "momentum_bucket_")
+        # buckets are rebuilt here, mid-training: check that every rank rebuilt the same ones at the same step
+        check_same_buckets(buckets, {"QAdam warmup over at step": optimizer.step_id}, comm,
+                           "bagua_x QAdam: momentum buckets built at the end of warmup differ across ranks")
+        for b in buckets:
+            b.flatten()
+        super().__init__(tensors, algorithm, comm, options, "bagua_x-momentum-comm")
+        self.optimizer = optimizer
+        self._set_buckets(buckets, [{} for _ in buckets])  # QAdam.reduce keeps no state: the optimizer has it
+
+    @torch.no_grad()
+    def _on_ready(self, t: RegisteredTensor) -> None:
+        p = t.proxy
+        group = self._groups[id(p)]
+        m = t.effective()
+        if p.grad is not None:  # an unused parameter keeps decaying its momentum with a zero gradient
+            m.copy_(momentum_update(m, self.optimizer.decayed_grad(p, group), group["betas"][0]))
+        else:
+            m.mul_(group["betas"][0])
+        t.mark_ready()

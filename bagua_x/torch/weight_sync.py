@@ -28,39 +28,36 @@ import torch
 from ..algorithms.base import Algorithm, Phase, Target
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
-from .buckets import build_buckets, load_states, register_parameters, state_dict_of
+from .bucketed import BucketedEngine
+from .buckets import build_buckets, register_parameters
 from .communicator import TorchCommunicator
 from .engine import EngineOptions
-from .grad_sync import reduce_bucket
-from .runtime import BackwardHooks, CommWorker
-from .stall import StallInspector
+from .runtime import BackwardHooks
 
 __all__ = ["WeightEngine"]
 
 log = logging.getLogger(__name__)
 
 
-class WeightEngine:
+class WeightEngine(BucketedEngine):
     """Runs a weight algorithm before forward (finished after backward) or after each optimizer step."""
+
+    what = "weights"
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: Algorithm,
                  comm: TorchCommunicator, *, options: EngineOptions):
         assert algorithm.target is Target.WEIGHT
-        self.algorithm, self.comm, self.check_finite = algorithm, comm, options.check_finite
         optimizer = options.optimizer
         tensors = register_parameters(named_params, Target.WEIGHT)
-        self.buckets: list[Bucket] = build_buckets(tensors, algorithm, comm.size, options.bucket_cap_mb,
-                                                   "weight_bucket_")
+        super().__init__(tensors, algorithm, comm, options, "bagua_x-weight-comm")
+        self.buckets = build_buckets(tensors, algorithm, comm.size, options.bucket_cap_mb, "weight_bucket_")
         with torch.no_grad():
             for b in self.buckets:
                 b.flatten()
             self.states = [algorithm.init(b.buffer, b.layout, comm.size) for b in self.buckets]
-        self.enabled = True  # False inside no_sync()
         self._in_flight: Optional[list[torch.Tensor]] = None
         self._hooks: Optional[BackwardHooks] = None
         self._step_hook = None
-        self._worker = CommWorker("bagua_x-weight-comm", tensors[0].proxy.device, comm.timeout,
-                                  StallInspector(comm.group))
         if algorithm.phase is Phase.BEFORE_FORWARD:
             self._hooks = BackwardHooks(tensors, lambda t: None, self._finish, lambda: self._in_flight is not None)
         elif algorithm.phase is Phase.AFTER_STEP:
@@ -89,15 +86,9 @@ class WeightEngine:
             return
         with torch.no_grad():
             flats = [self._weights(b).clone() for b in self.buckets]
-        for i, (b, flat) in enumerate(zip(self.buckets, flats)):
-            self._worker.submit(f"{type(self.algorithm).__name__} on {b.name}",
-                                lambda i=i, flat=flat: self._reduce(i, flat), b)
+        for i, flat in enumerate(flats):
+            self._submit(i, flat)
         self._in_flight = flats
-
-    def _reduce(self, i: int, flat: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.states[i] = reduce_bucket(self.algorithm, self.buckets[i], flat, self.states[i], self.comm,
-                                           self.check_finite, "weights")
 
     def _finish(self) -> None:
         if self._in_flight is None:
@@ -113,9 +104,7 @@ class WeightEngine:
         if not self.enabled:
             return
         for i, b in enumerate(self.buckets):
-            flat = self._weights(b)  # on this thread: it may re-point parameters the user replaced
-            self._worker.submit(f"{type(self.algorithm).__name__} on {b.name}",
-                                lambda i=i, flat=flat: self._reduce(i, flat), b)
+            self._submit(i, self._weights(b))  # _weights on this thread: it may re-point replaced parameters
         self._worker.wait()
 
     @staticmethod
@@ -124,18 +113,12 @@ class WeightEngine:
         bucket.ensure_flattened()
         return bucket.buffer
 
-    def state_dict(self) -> dict:
-        return state_dict_of(self.buckets, self.states)
-
-    def load_state_dict(self, saved: dict) -> None:
-        load_states(self.buckets, self.states, saved)
-
     def close(self) -> None:
         try:
             self._finish()  # an exchange in flight lands in the parameters (or raises why it cannot)
         finally:
             if self._hooks is not None:
                 self._hooks.remove()
-            self._worker.close()
+            super().close()
             if self._step_hook is not None:
                 self._step_hook.remove()

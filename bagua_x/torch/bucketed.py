@@ -1,0 +1,157 @@
+"""The lifecycle every bucketed torch engine shares, written once.
+
+:class:`BucketedEngine` holds what all of them have: the algorithm, the
+communicator, the buckets with their per-bucket state, and one communication
+thread (:class:`~.runtime.CommWorker`, whose single thread keeps collectives
+in the same order on every rank).  It runs a bucket's ``reduce`` there, saves
+and loads the per-bucket state, and closes.
+
+:class:`BackwardEngine` adds what engines that communicate *during backward*
+share (gradients; QAdam's momentum): a hook per tensor marks it ready, a
+:class:`~bagua_x.core.readiness.BucketDispatcher` launches complete buckets in
+list order, the end of backward waits for them, and a backward that raised
+before its end is settled before the next forward.  Subclasses say what a
+tensor's hook does (:meth:`BackwardEngine._on_ready`) and may add work before
+the wait (:meth:`BackwardEngine._before_wait`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..algorithms.base import Algorithm
+from ..core.bucket import Bucket
+from ..core.readiness import BucketDispatcher
+from ..core.tensor import RegisteredTensor
+from .buckets import load_states, state_dict_of
+from .checks import check_finite, non_finite_tensors
+from .communicator import TorchCommunicator
+from .engine import EngineOptions
+from .runtime import BackwardHooks, CommWorker
+from .stall import StallInspector
+
+__all__ = ["BucketedEngine", "BackwardEngine", "run_reduce", "reduce_bucket"]
+
+
+def run_reduce(algorithm: Algorithm, flat: torch.Tensor, layout, state: dict, comm: TorchCommunicator) -> dict:
+    """``flat <- reduce(flat)``, in place; returns the new state."""
+    if algorithm.donates_input:
+        with comm.donate(flat):
+            out, state = algorithm.reduce(flat, layout, state, comm)
+    else:
+        out, state = algorithm.reduce(flat, layout, state, comm)
+    if out is not flat:
+        flat.copy_(out)
+    return state
+
+
+def reduce_bucket(algorithm: Algorithm, bucket: Bucket, flat: torch.Tensor, state: dict, comm: TorchCommunicator,
+                  finite: bool, what: str) -> dict:
+    """:func:`run_reduce` on one bucket's ``flat`` values, then (``finite``) the check_finite check."""
+    local_bad = non_finite_tensors(bucket, flat) if finite else []
+    state = run_reduce(algorithm, flat, bucket.layout, state, comm)
+    if finite:
+        check_finite(bucket, flat, local_bad, what)
+    return state
+
+
+class BucketedEngine:
+    """Buckets, their algorithm state and the communication thread (see the module docstring).
+
+    ``what`` names the communicated tensors in messages ("gradient", "weights", "momentum").
+    """
+
+    what = "tensor"
+
+    def __init__(self, tensors: Sequence[RegisteredTensor], algorithm: Algorithm, comm: TorchCommunicator,
+                 options: EngineOptions, thread_name: str):
+        self.algorithm, self.comm, self.check_finite = algorithm, comm, options.check_finite
+        self.enabled = True  # False inside no_sync()
+        self.buckets: list[Bucket] = []
+        self.states: list[dict] = []
+        self._worker = CommWorker(thread_name, tensors[0].proxy.device, comm.timeout, StallInspector(comm.group))
+
+    def _submit(self, i: int, flat: torch.Tensor, prepare: Optional[Callable[[], None]] = None) -> None:
+        """Run the algorithm on bucket ``i``'s ``flat`` values on the communication thread (state kept),
+        after ``prepare()`` there."""
+        bucket = self.buckets[i]
+
+        def job():
+            if prepare is not None:
+                prepare()
+            with torch.no_grad():
+                self.states[i] = reduce_bucket(self.algorithm, bucket, flat, self.states[i], self.comm,
+                                               self.check_finite, self.what)
+        self._worker.submit(f"{type(self.algorithm).__name__} on {bucket.name}", job, bucket)
+
+    def state_dict(self) -> dict:
+        return state_dict_of(self.buckets, self.states)
+
+    def load_state_dict(self, saved: dict) -> None:
+        load_states(self.buckets, self.states, saved)
+
+    def close(self) -> None:
+        self._worker.close()
+
+
+class BackwardEngine(BucketedEngine):
+    """A :class:`BucketedEngine` whose buckets are communicated as backward makes their tensors ready."""
+
+    def __init__(self, tensors: Sequence[RegisteredTensor], algorithm: Algorithm, comm: TorchCommunicator,
+                 options: EngineOptions, thread_name: str):
+        super().__init__(tensors, algorithm, comm, options, thread_name)
+        self.find_unused = options.find_unused_parameters
+        self._tensors = list(tensors)
+        self._dispatcher: Optional[BucketDispatcher] = None
+        self._hooks = BackwardHooks(tensors, self._on_ready, self._finish, lambda: self.enabled)
+
+    def _set_buckets(self, buckets: list[Bucket], states: list[dict]) -> None:
+        self.buckets, self.states = buckets, states
+        self._dispatcher = BucketDispatcher(buckets, self._launch)
+
+    def _on_ready(self, t: RegisteredTensor) -> None:
+        """``t``'s hook in backward: make its effective tensor final, then ``t.mark_ready()``."""
+        raise NotImplementedError
+
+    def _launch(self, bucket: Bucket) -> None:
+        """A complete bucket (in list order): communicate it on the communication thread."""
+        self._submit(self.buckets.index(bucket), bucket.buffer, lambda: self._prepare(bucket))
+
+    def _prepare(self, bucket: Bucket) -> None:
+        """On the communication thread, before the bucket's collective: move back any recreated tensor
+        (overlapped with the rest of backward), so a stale value is never communicated."""
+        bucket.ensure_flattened()
+
+    def _before_wait(self) -> None:
+        """End of backward, before waiting: tensors no rank made ready are marked here (find_unused)."""
+        if self.find_unused:
+            for t in self._dispatcher.unready_tensors():
+                self._on_ready(t)
+
+    def _after_wait(self) -> None:
+        """End of backward, after every bucket is communicated."""
+
+    def _finish(self) -> None:
+        try:
+            self._before_wait()
+            self._worker.wait()
+            self._dispatcher.check_all_dispatched()
+            self._after_wait()
+        finally:
+            self._dispatcher.reset()
+
+    def settle(self) -> None:
+        """Before a forward: end the communication of a backward that raised before its end-of-backward callback."""
+        if self._hooks.queued:
+            self._hooks.queued = False
+            self._dispatcher.reset()
+            self._worker.wait()  # let buckets already launched finish, so collectives stay paired
+
+    def before_forward(self) -> None:
+        """Communication happens during backward: nothing starts at forward."""
+
+    def close(self) -> None:
+        self._hooks.remove()
+        super().close()
