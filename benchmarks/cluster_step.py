@@ -7,7 +7,8 @@ Every rank (launched by torchrun inside its node's network namespace) builds
 a model of ``zoo.py`` (``--model``, as ``torch_vs_ddp.py`` does; QAdam against
 DDP + Adam) once per system: DDP, then each algorithm with
 ``hierarchical=False`` and at its default (hierarchical on >= 2 nodes of >= 2
-ranks).  The systems run in interleaved rounds, the order reversed every
+ranks), and the model with no communication at all (``compute``: the floor
+any algorithm can reach while the ranks share the machine's cores).  The systems run in interleaved rounds, the order reversed every
 other round, so all see the same machine load; rank 0 prints the median step
 times and their ratios to DDP as one JSON line.
 """
@@ -27,12 +28,15 @@ import torch_vs_ddp as bench  # noqa: E402  (the model, the optimizer and the ti
 
 
 def build_system(name: str, seed: int, bucket_cap_mb: float, model_name: str):
-    """``(model, optimizer)`` of one system: ``ddp``, ``ddp_adam`` or ``<algorithm>/<flat|hierarchical>``."""
+    """``(model, optimizer)`` of one system: ``compute`` (no communication: the floor), ``ddp``, ``ddp_adam`` or
+    ``<algorithm>/<flat|hierarchical>``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bagua_x.torch as bxt
     from bagua_x import algorithms as A
 
+    if name == "compute":
+        return bench.build(seed, "ddp", "allreduce", model_name)
     if name.startswith("ddp"):
         model, opt = bench.build(seed, "ddp", "qadam" if name == "ddp_adam" else "allreduce", model_name)
         return DDP(model, bucket_cap_mb=bucket_cap_mb), opt
@@ -66,7 +70,7 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     x, y = bench.zoo.batch(args.model, rank)
-    names = ["ddp"] + (["ddp_adam"] if "qadam" in args.algorithms else [])
+    names = ["compute", "ddp"] + (["ddp_adam"] if "qadam" in args.algorithms else [])
     names += [f"{a}/{mode}" for a in args.algorithms for mode in ("flat", "hierarchical")]
     systems = {n: build_system(n, rank, args.bucket_cap_mb, args.model) for n in names}
     times = {n: [] for n in names}
