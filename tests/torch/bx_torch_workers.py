@@ -45,10 +45,6 @@ def communicator_ops():
     for op in ReduceOp:
         out[f"allreduce_{op.value}"] = comm.allreduce(x, op).numpy()
         out[f"reduce_scatter_{op.value}"] = comm.reduce_scatter(x, op).numpy()
-    fallback = TorchCommunicator()
-    fallback._native_reduce_scatter = False  # the alltoall path used where the backend lacks reduce_scatter
-    for op in ReduceOp:
-        out[f"reduce_scatter_fallback_{op.value}"] = fallback.reduce_scatter(x, op).numpy()
     out["allreduce_int_avg"] = comm.allreduce(torch.tensor([rank * 3 + 1], dtype=torch.int64), ReduceOp.AVG).numpy()
     out["allgather"] = comm.allgather(x).numpy()
     out["allgather_u8"] = comm.allgather(u).numpy()
