@@ -12,7 +12,10 @@ and rebuilds its buckets to it once, at the end of that backward:
   sent to every rank through the store -- plain JSON (``core.wire``), never
   pickle, and not a collective, so it cannot pair with one;
 * every rank rebuilds to it and the new buckets are checked across ranks
-  (``check_same_buckets``).
+  (``check_same_buckets``);
+* buckets the order would not change (a chain of layers) are kept, and a
+  real rebuild frees the old buffers one by one, so the first step's peak
+  memory stays near one set of gradient buffers.
 
 The order is kept in the algorithm state dict (:data:`ORDER_KEY`), so a run
 resumed from a checkpoint rebuilds the same buckets before its first step.

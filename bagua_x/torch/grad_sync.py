@@ -77,8 +77,23 @@ class GradientEngine(BackwardEngine):
         self._without_grad: Optional[torch.Tensor] = None
         self._build(tensors)
 
+    def _plan(self, tensors: Sequence[RegisteredTensor]) -> list[list[str]]:
+        """The tensor names of each bucket :meth:`_build` would make from ``tensors``."""
+        return build_buckets(tensors, self.algorithm, self.comm.size, self._cap, "grad_bucket_",
+                             make=lambda name, members, alignment: [t.name for t in members])
+
     def _build(self, tensors: Sequence[RegisteredTensor]) -> None:
-        """Bucket ``tensors`` in this order (gradients move into the new buffers) with fresh algorithm state."""
+        """Bucket ``tensors`` in this order (gradients move into the new buffers) with fresh algorithm state.
+
+        Old buffers are released one by one first (their gradients copied out), so a rebuild
+        holds the gradients once plus one bucket, not in two full sets of buffers.
+        """
+        for bucket in self.buckets:
+            for t in bucket.tensors:
+                if t.proxy.grad is not None:
+                    t.proxy.grad = t.proxy.grad.clone()
+            bucket.buffer = None
+        self._views = {}
         buckets = build_buckets(tensors, self.algorithm, self.comm.size, self._cap, "grad_bucket_",
                                 make=_grad_bucket)
         self._set_buckets(buckets, [self.algorithm.init(b.buffer, b.layout, self.comm.size) for b in buckets])
@@ -126,6 +141,7 @@ class GradientEngine(BackwardEngine):
             self._dispatcher.check_all_dispatched()
             mine = complete_order(self._recorded, self._tensors)
             self._rebuild(agree_on_order(mine, self.comm, self._tensors))
+            self._dispatcher.reset()  # buckets kept by the rebuild were dispatched (not launched) while recording
             for t in self._tensors:  # now communicate the first step's gradients in the new buckets
                 t.mark_ready()
 
@@ -140,7 +156,9 @@ class GradientEngine(BackwardEngine):
         """Buckets in ``order``, checked across ranks (None: registration order, and record the next backward's)."""
         self._recorded = None if order is not None else []
         self._order = order
-        self._build(ordered(self._tensors, order))
+        tensors = ordered(self._tensors, order)
+        if self._plan(tensors) != [[t.name for t in b.tensors] for b in self.buckets]:
+            self._build(tensors)  # else the buckets are already these, and their state still fresh or loaded
         check_same_buckets(self.buckets, {"gradient bucket order": "rebuilt" if order else "registration"},
                            self.comm, "bagua_x: gradient buckets rebuilt in ready order differ across ranks",
                            kind="grad_order")

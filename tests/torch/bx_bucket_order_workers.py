@@ -88,3 +88,37 @@ def order_after_first_step(steps=3):
     diff = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
     return {"ready": ready[: len(names)], "before": before, "orders": orders, "saved": saved, "views": views,
             "ddp_diff": diff, "buckets": len(wrapped.buckets)}
+
+
+def in_order_keeps_buffers(steps=2):
+    """A chain model's ready order gives the buckets they already have: they are kept, not rebuilt."""
+    import torch
+    from torch import nn
+
+    import bagua_x.torch as bxt
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def chain():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    rank, _ = _init()
+    model = chain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    wrapped = bxt.wrap(model, opt, bucket_cap_mb=3e-4)
+    pointers = [[b.buffer.data_ptr() for b in wrapped.buckets]]
+    for s in range(steps):
+        _step(wrapped, opt, rank, s)
+        pointers.append([b.buffer.data_ptr() for b in wrapped.buckets])
+    saved = wrapped.algorithm_state_dict().get("bucket_order")
+    wrapped.shutdown()
+
+    ref = chain()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    ddp = DDP(ref, bucket_cap_mb=3e-4)
+    for s in range(steps):  # the first step too: kept buckets must still be communicated after recording
+        _step(ddp, ref_opt, rank, s)
+    diff = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
+    return {"pointers": pointers, "saved": saved, "names": [n for n, _ in model.named_parameters()],
+            "ddp_diff": diff}

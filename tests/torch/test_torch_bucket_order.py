@@ -25,3 +25,12 @@ def test_buckets_follow_rank_0s_ready_order_after_the_first_step():
         assert all(out["views"]), out["views"]
         assert out["buckets"] > 2
         assert out["ddp_diff"] <= 1e-6, out["ddp_diff"]
+
+
+def test_buckets_the_ready_order_would_not_change_are_kept():
+    """No second set of buffers when the rebuild would give the same buckets (the peak-memory regression)."""
+    for out in run_workers("bx_bucket_order_workers:in_order_keeps_buffers", nproc=2, timeout=120, env=ENV):
+        assert len(out["pointers"]) == 3 and len(out["pointers"][0]) > 2, out["pointers"]
+        assert out["pointers"][1:] == [out["pointers"][0]] * 2, "the buckets' buffers were reallocated"
+        assert out["saved"] == out["names"][::-1], "the ready order is still saved for resume"
+        assert out["ddp_diff"] <= 1e-6, out["ddp_diff"]
