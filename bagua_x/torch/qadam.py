@@ -26,7 +26,6 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 
 from ..algorithms import GradientAllReduce, QAdam
-from ..algorithms.qadam import momentum_update
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from ..core.tensor import RegisteredTensor, TensorRegistry
@@ -206,8 +205,8 @@ class MomentumBuckets(BackwardEngine):
         p = t.proxy
         group = self._groups[id(p)]
         m = t.effective()
+        beta1 = group["betas"][0]
+        m.mul_(beta1)  # in place, as the optimizer's warmup step: no temporaries on the backward's critical path
         if p.grad is not None:  # an unused parameter keeps decaying its momentum with a zero gradient
-            m.copy_(momentum_update(m, self.optimizer.decayed_grad(p, group), group["betas"][0]))
-        else:
-            m.mul_(group["betas"][0])
+            m.add_(self.optimizer.decayed_grad(p, group), alpha=1 - beta1)
         t.mark_ready()
