@@ -7,7 +7,8 @@ Every rank (launched by torchrun inside its node's network namespace) builds
 a model of ``zoo.py`` (``--model``, as ``torch_vs_ddp.py`` does; QAdam against
 DDP + Adam) once per system: DDP, then each algorithm with
 ``hierarchical=False`` and at its default (hierarchical on >= 2 nodes of >= 2
-ranks), and the model with no communication at all (``compute``: the floor
+ranks; ModelAverage has no hierarchical variant, so it runs flat only), and
+the model with no communication at all (``compute``: the floor
 any algorithm can reach while the ranks share the machine's cores).  The systems run in interleaved rounds, the order reversed every
 other round, so all see the same machine load; rank 0 prints the median step
 times and their ratios to DDP as one JSON line.
@@ -27,6 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_vs_ddp as bench  # noqa: E402  (the model, the optimizer and the timing loop)
 
 
+FLAT_ONLY = {"model_average"}  # no hierarchical variant (as in Bagua)
+
+
 def build_system(name: str, seed: int, bucket_cap_mb: float, model_name: str):
     """``(model, optimizer)`` of one system: ``compute`` (no communication: the floor), ``ddp``, ``ddp_adam`` or
     ``<algorithm>/<flat|hierarchical>``."""
@@ -43,6 +47,8 @@ def build_system(name: str, seed: int, bucket_cap_mb: float, model_name: str):
     algorithm, mode = name.split("/")
     hierarchical = None if mode == "hierarchical" else False
     model, opt = bench.build(seed, "bagua_x", algorithm, model_name)
+    if algorithm in FLAT_ONLY:
+        return bxt.wrap(model, opt, algorithm=bench.make_algorithm(algorithm), bucket_cap_mb=bucket_cap_mb), opt
     if algorithm == "qadam":  # the algorithm is the optimizer's
         opt = bxt.QAdamOptimizer(model.parameters(), lr=1e-4, warmup_steps=2, hierarchical=hierarchical)
         return bxt.wrap(model, opt, bucket_cap_mb=bucket_cap_mb), opt
@@ -57,7 +63,8 @@ def main():
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", default=["bytegrad", "qadam"],
-                        choices=["allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam"])
+                        choices=["allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
+                                 "model_average", "qadam"])
     parser.add_argument("--model", choices=["mlp", "transformer", "resnet"], default="mlp")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3)
@@ -71,7 +78,8 @@ def main():
     rank = dist.get_rank()
     x, y = bench.zoo.batch(args.model, rank)
     names = ["compute", "ddp"] + (["ddp_adam"] if "qadam" in args.algorithms else [])
-    names += [f"{a}/{mode}" for a in args.algorithms for mode in ("flat", "hierarchical")]
+    names += [f"{a}/{mode}" for a in args.algorithms
+              for mode in (("flat",) if a in FLAT_ONLY else ("flat", "hierarchical"))]
     systems = {n: build_system(n, rank, args.bucket_cap_mb, args.model) for n in names}
     times = {n: [] for n in names}
     for model, opt in systems.values():
