@@ -68,7 +68,8 @@ class LowPrecisionDecentralized(NodeAware, Algorithm):
         return {"step": counter(xp), "w": copy(), "left": copy(), "right": copy()}
 
     def wire_bytes(self, layout, itemsize, world_size):
-        return 2 * (layout.padded_numel + 8) / self.communication_interval  # uint8 differences to both neighbours
+        neighbours = 1 if world_size == 2 else 2  # uint8 differences to each neighbour (one on a ring of two)
+        return neighbours * (layout.padded_numel + 8) / self.communication_interval
 
     def reduce(self, flat, layout, state, comm):
         xp = namespace(flat)
@@ -108,8 +109,13 @@ class LowPrecisionDecentralized(NodeAware, Algorithm):
 
 
 def _from_neighbours(packed, ring):
-    """The packed messages from the left and from the right neighbour on ``ring``."""
+    """The packed messages from the left and from the right neighbour on ``ring``.
+
+    On a ring of two (two ranks, or two nodes) both neighbours are the same
+    rank, so its message travels once instead of twice.
+    """
     n = ring.size
-    from_left = [(i, (i + 1) % n) for i in range(n)]  # each rank receives its left neighbour's
-    from_right = [(i, (i - 1) % n) for i in range(n)]
-    return ring.permute(packed, from_left), ring.permute(packed, from_right)
+    from_left = ring.permute(packed, [(i, (i + 1) % n) for i in range(n)])  # each rank receives its left's
+    if n == 2:
+        return from_left, from_left
+    return from_left, ring.permute(packed, [(i, (i - 1) % n) for i in range(n)])
