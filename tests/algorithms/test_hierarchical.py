@@ -10,9 +10,9 @@ import pytest
 
 import reference as ref
 from bagua_x.algorithms import ByteGrad, Decentralized, GradientAllReduce, LowPrecisionDecentralized, QAdam
-from bagua_x.algorithms.base import compressed_bytes
+from bagua_x.algorithms.base import compressed_bytes, over_nodes
 from bagua_x.core import BaguaXError
-from bagua_x.core.comm import Feature
+from bagua_x.core.comm import Feature, ReduceOp
 from simulated import flat_layout, run
 
 TOPOLOGIES = [(4, 2), (8, 2), (8, 4)]  # (ranks, ranks per node): 2x2, 4 nodes of 2, 2 nodes of 4
@@ -193,3 +193,40 @@ def test_declarations():
         assert alg.hyperparameters()["hierarchical"] is None
     assert Decentralized().alignment(8) == LowPrecisionDecentralized().alignment(8) == 8
     assert Decentralized(hierarchical=False).alignment(8) == 1
+
+
+@pytest.mark.parametrize("n, local", TOPOLOGIES)
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG])
+def test_over_nodes_pads_a_bucket_for_the_shards_and_keeps_its_shape(n, local, op):
+    """21 elements split over a node's 2 or 4 ranks: padded for the shards, cut back, the input's shape kept."""
+    xs = [np.arange(21, dtype=np.float32).reshape(3, 7) * (r + 1) for r in range(n)]
+    exchange = lambda shard, across: across.allreduce(shard, op)  # noqa: E731
+    out, comms = run(n, lambda c: over_nodes(xs[c.rank], c, exchange, op), local_size=local)
+    want = sum(xs) / (n if op is ReduceOp.AVG else 1)
+    assert len(out) == n
+    for o in out:  # integers, so the sums are exact; the means are within float32 rounding (seen 0)
+        assert o.shape == (3, 7) and np.abs(o - want).max() <= 1e-6 * np.abs(want).max()
+    for c in comms:  # the node's shards: 22 or 24 elements in rows of 11 or 6
+        assert c.within.sent[0].shape == (local, -(-21 // local)) and c.within.sent[0].dtype == np.float32
+
+
+@pytest.mark.parametrize("local", [2, None])
+@pytest.mark.parametrize("average", [True, False])
+def test_bytegrad_writes_over_a_writable_bucket_and_leaves_a_read_only_one(local, average):
+    """torch and numpy buckets are overwritten in place (donates_input); a read-only one (JAX) gets a new array."""
+    xs = values(4, 0)
+    alg = ByteGrad(average=average)
+
+    def fn(c):
+        mutable, frozen = xs[c.rank].copy(), xs[c.rank].copy()
+        frozen.flags.writeable = False
+        a, _ = alg.reduce(mutable, flat_layout(NUMEL), {}, c)
+        b, _ = alg.reduce(frozen, flat_layout(NUMEL), {}, c)
+        return a is mutable, b is not frozen and np.array_equal(frozen, xs[c.rank]), a, b
+
+    out, _ = run(4, fn, local_size=local)
+    want = ref.bytegrad_hierarchical(xs, 2, average) if local else ref.bytegrad(xs, average)
+    assert len(out) == len(want) == 4
+    for (in_place, frozen_kept, a, b), w in zip(out, want):
+        assert in_place and frozen_kept and np.array_equal(a, b) and a.dtype == b.dtype == np.float32
+        assert np.abs(a - w).max() <= 1e-7  # seen 0 here; a flipped code is a step of ~1e-3
