@@ -105,6 +105,45 @@ def test_a_hung_rank_is_killed_after_the_timeout():
     assert own_namespaces(prefix) == []
 
 
+_SLOW_TEARDOWN = """
+import sys, time
+from bagua_x.apps import cluster
+kill_all = cluster.Cluster.kill_all
+def slow_kill_all(self):  # a teardown long enough for the test's later Ctrl-Cs to land in it
+    time.sleep(2.5)
+    kill_all(self)
+cluster.Cluster.kill_all = slow_kill_all
+sys.exit(cluster.run(["sleep", "1000"], nodes=2, nproc_per_node=1, timeout=60))
+"""
+
+
+@needs_root
+def test_repeated_ctrl_c_still_deletes_every_namespace():
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_TEARDOWN], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    prefix = f"bxc-{proc.pid}-"
+    try:
+        deadline = time.monotonic() + 30
+        while len(own_namespaces(prefix)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # the node launchers are running
+        for _ in range(4):  # the first starts the teardown, the others land in it
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.4)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
+    assert "Traceback" not in out and "_Stop" not in out, out[-3000:]
+    assert out.count("still stopping") == 3, out[-3000:]
+    assert own_namespaces(prefix) == []
+
+
 def test_without_root_one_line_and_non_zero_exit(capsys):
     import argparse
 

@@ -230,8 +230,14 @@ def run(
         raise ClusterUnavailable(why)
     cluster = Cluster(nodes, inter_node)
     handlers = {}
+    stopping = []  # non-empty once ranks are being stopped: later signals must not cut the teardown short
 
     def stop(signum, frame):
+        if stopping:
+            print(f"bagua-x cluster: got signal {signum} again; still stopping, the namespaces are deleted first",
+                  file=sys.stderr)
+            return
+        stopping.append(signum)
         raise _Stop(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -274,6 +280,7 @@ def run(
         _stop(launchers, grace)
         return 128 + int(e.args[0])
     finally:
+        stopping.append(None)
         try:
             for p in launchers:
                 if p.poll() is None:

@@ -19,6 +19,7 @@ from .errors import BaguaXError
 __all__ = ["encode", "decode", "decode_description", "MAX_BYTES"]
 
 MAX_BYTES = 64 * 2**20  # no legitimate description comes near this; a larger value is refused unread
+MAX_DEPTH = 32  # arrays nested deeper are refused both ways, long before Python's recursion limit
 
 
 def encode(value: Any) -> bytes:
@@ -40,7 +41,7 @@ def decode(data: bytes, source: str) -> Any:
             f"{bytes(data[:32])!r}); something other than a bagua_x rank wrote to this job's store or "
             "collective, or the ranks run different bagua_x versions"
         ) from None
-    return _tuples(value)
+    return _tuples(value, source, 0)
 
 
 def decode_description(data: bytes, source: str) -> list[tuple[str, Any]]:
@@ -54,8 +55,8 @@ def decode_description(data: bytes, source: str) -> list[tuple[str, Any]]:
 
 
 def _check(value: Any, where: str, depth: int = 0) -> Any:
-    if depth > 32:
-        raise BaguaXError(f"bagua_x.core.wire: {where} is nested more than 32 levels deep")
+    if depth > MAX_DEPTH:
+        raise BaguaXError(f"bagua_x.core.wire: {where} is nested more than {MAX_DEPTH} levels deep")
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
@@ -67,9 +68,14 @@ def _constant(name: str) -> float:
     return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[name]
 
 
-def _tuples(value: Any) -> Any:
+def _tuples(value: Any, source: str, depth: int) -> Any:
     if isinstance(value, list):
-        return tuple(_tuples(v) for v in value)
+        if depth > MAX_DEPTH:
+            raise BaguaXError(
+                f"{source}: received arrays nested more than {MAX_DEPTH} levels deep, which no bagua_x rank "
+                "sends; something other than a bagua_x rank wrote to this job's store or collective"
+            )
+        return tuple(_tuples(v, source, depth + 1) for v in value)
     if isinstance(value, dict):
         raise BaguaXError("bagua_x.core.wire: received a JSON object; bagua_x sends only arrays and scalars")
     return value

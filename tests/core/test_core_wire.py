@@ -106,6 +106,24 @@ def test_encode_refuses_deep_nesting():
     assert json.loads(wire.encode(ok)) == ok
 
 
+@pytest.mark.parametrize("levels", [34, 500, 990, 1000, 100_000])
+def test_decode_refuses_deep_nesting_with_its_own_error(levels):
+    # 500 levels used to escape as a bare RecursionError (from turning arrays into tuples)
+    with pytest.raises(BaguaXError, match="src: received"):
+        wire.decode(b"[" * levels + b"]" * levels, "src")
+
+
+def test_decode_takes_the_deepest_value_encode_sends():
+    ok = []
+    for _ in range(32):
+        ok = [ok]
+    value = wire.decode(wire.encode(ok), "src")
+    for _ in range(32):
+        assert isinstance(value, tuple) and len(value) == 1
+        value = value[0]
+    assert value == ()
+
+
 def test_decode_description():
     pairs = [("tensor #0", ("w", (3,), "float32")), ("number of tensors", 1)]
     assert wire.decode_description(wire.encode(pairs), "src") == pairs
