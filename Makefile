@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 BASE   := $(VENV)/.installed-base
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo bench mutation clean
+.PHONY: test check demo bench mutation clean
 
 $(BASE): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -23,6 +23,11 @@ $(STAMP): $(BASE)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The fast tier for every edit (under a minute): the algorithms on the simulated N-rank communicator against
+# the numpy references, core, the layering, nccl's tables. No process is started. CI runs the full `test`.
+check: $(STAMP)
+	$(PY) -m pytest -q tests/algorithms tests/core tests/nccl_comm/test_nccl_datatypes.py tests/nccl_comm/test_nccl_streams.py
 
 demo: $(BASE)
 	$(VENV)/bin/bagua-x demo
