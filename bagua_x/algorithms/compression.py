@@ -71,8 +71,12 @@ def dequantize_into(q, minmax, out):
 @kernel
 def sum_requantize(q, minmax, average: bool):
     """Sum the dequantised rows, divide by their count when averaging, quantise the result as one row."""
-    xp = namespace(q)
-    total = xp.sum(dequantize.plain(q, minmax), axis=0, keepdims=True)
+    rows = dequantize.plain(q, minmax)
+    # Row by row, not xp.sum(axis=0): XLA on CPU compiles that reduction fused with the dequantisation into a
+    # slow loop (2 x 2.1M: 85 ms against 1.3 ms; 4 rows: 1.9 s against 6 ms), and rank order is numpy's order.
+    total = rows[0:1]
+    for i in range(1, rows.shape[0]):
+        total = total + rows[i:i + 1]
     if average:
         total = total / q.shape[0]
     return quantize.plain(total)
