@@ -94,7 +94,12 @@ def namespace(x):
 
 
 def counter(xp) -> Any:
-    """A scalar step counter in the state (int32, so JAX can trace it)."""
+    """A scalar step counter in the state (int32, so JAX can trace it).
+
+    The one array an algorithm makes off its bucket's device, on purpose: on
+    the host (torch: the CPU) ``comm.switch`` picks a branch from it without
+    waiting for the GPU.  It only ever meets bucket arrays as a scalar.
+    """
     return xp.zeros((), dtype=xp.int32)
 
 
@@ -171,7 +176,7 @@ def over_nodes(flat, comm, exchange: Callable, op: ReduceOp = ReduceOp.AVG):
     n = flat.shape[0]
     pad = -n % within.size
     if pad:
-        flat = xp.concat([flat, xp.zeros((pad,), dtype=flat.dtype)])
+        flat = xp.concat([flat, xp.zeros((pad,), dtype=flat.dtype, device=array_api_compat.device(flat))])
     shard = within.reduce_scatter(xp.reshape(flat, (within.size, -1)), op)
     out = xp.reshape(within.allgather(exchange(shard, comm.across)), (-1,))
     return xp.reshape(out[:n] if pad else out, shape)
