@@ -76,6 +76,11 @@ def init_distributed(
     died".  ``bagua_x.jax.wrap(..., timeout=...)`` must stay below it (wrap
     checks) so that its report -- which step, which processes never arrived --
     comes first; raise ``heartbeat_timeout_seconds`` here for longer timeouts.
+
+    Under torchrun with several processes per node, each process takes GPU
+    LOCAL_RANK (``local_device_ids=[LOCAL_RANK]``, one GPU per process as with
+    torch's DDP) unless ``local_device_ids``, JAX_LOCAL_DEVICE_IDS or a
+    per-process CUDA_VISIBLE_DEVICES says otherwise.
     """
     global _heartbeat_timeout
     env = os.environ
@@ -88,6 +93,8 @@ def init_distributed(
     if num_processes == 1 or (num_processes is None and coordinator_address is None and process_id is None):
         logger.info("bagua_x.jax.init_distributed: one process, nothing to initialise")
         return
+    if local_device_ids is None:
+        local_device_ids = _one_gpu_per_local_process(env)
     if jax.config.jax_cpu_collectives_implementation is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if coordinator_address is not None and "JAX_COORDINATOR_BIND_ADDRESS" not in env:
@@ -104,6 +111,25 @@ def init_distributed(
         local_device_ids=local_device_ids,
         **kwargs,
     )
+
+
+def _one_gpu_per_local_process(env) -> Optional[list[int]]:
+    """``[LOCAL_RANK]`` when torchrun starts several processes per node and nothing chose their GPUs yet.
+
+    Without it every process claims every GPU of the node and JAX preallocates
+    most of each one's memory, so the second process runs out of memory (or
+    NCCL sees one GPU twice).  torch's DDP convention is one GPU per process,
+    GPU LOCAL_RANK; JAX only applies the ids to GPUs (``jax_cuda_visible_devices``),
+    so CPU runs are unaffected.  Left alone when JAX_LOCAL_DEVICE_IDS is set, when
+    there is one process per node (it keeps all the node's devices), or when
+    CUDA_VISIBLE_DEVICES already gives each process fewer GPUs than the node has processes.
+    """
+    if "JAX_LOCAL_DEVICE_IDS" in env or "LOCAL_RANK" not in env or int(env.get("LOCAL_WORLD_SIZE", "1")) <= 1:
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and len([d for d in visible.split(",") if d.strip()]) < int(env["LOCAL_WORLD_SIZE"]):
+        return None
+    return [int(env["LOCAL_RANK"])]
 
 
 def _gather_bytes(data: bytes) -> list[bytes]:
