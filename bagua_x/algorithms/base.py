@@ -58,6 +58,9 @@ class Algorithm:
     #: ``reduce`` works elementwise and keeps no state, so a frontend may run it on each
     #: tensor alone instead of on the packed bucket (where that is faster: JAX, large leaves).
     elementwise = False
+    #: ``reduce`` runs :func:`~.kernels.kernel` functions (MinMaxUInt8...), which a frontend may compile;
+    #: it then checks at set-up that its compiler works, so a missing one never fails mid-training.
+    uses_kernels = False
 
     @property
     def uses(self) -> frozenset[Feature]:

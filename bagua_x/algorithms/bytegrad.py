@@ -74,6 +74,7 @@ class ByteGrad(NodeAware, Algorithm):
     average: bool = True
     hierarchical: Optional[bool] = None
     donates_input = True  # the result is written over the bucket where arrays are mutable
+    uses_kernels = True
 
     def alignment(self, world_size):
         return world_size

@@ -17,7 +17,7 @@ from typing import Callable
 
 from .base import namespace
 
-__all__ = ["kernel", "register_compiler"]
+__all__ = ["kernel", "register_compiler", "unregister_compiler"]
 
 _COMPILERS: dict[str, tuple[Callable, int]] = {}  # namespace name -> (compile, min_numel)
 
@@ -26,6 +26,11 @@ def register_compiler(namespace_name: str, compile: Callable[[Callable], Callabl
     """Run kernels on arrays of ``namespace_name`` with at least ``min_numel`` elements as
     ``compile(kernel)`` (below that, compiling does not pay off)."""
     _COMPILERS[namespace_name] = (compile, min_numel)
+
+
+def unregister_compiler(namespace_name: str) -> None:
+    """Run kernels on arrays of ``namespace_name`` uncompiled from now on."""
+    _COMPILERS.pop(namespace_name, None)
 
 
 def kernel(fn: Callable) -> Callable:

@@ -52,6 +52,7 @@ class LowPrecisionDecentralized(NodeAware, Algorithm):
 
     target = Target.WEIGHT
     phase = Phase.AFTER_STEP
+    uses_kernels = True
 
     def __post_init__(self):
         if self.communication_interval < 1:

@@ -64,6 +64,7 @@ class QAdam(NodeAware, Algorithm):
     hierarchical: Optional[bool] = None
 
     target = Target.MOMENTUM
+    uses_kernels = True
 
     def __post_init__(self):
         if self.warmup_steps < 1:

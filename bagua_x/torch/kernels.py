@@ -3,6 +3,13 @@
 Eager torch runs MinMaxUInt8 as a dozen passes over memory (measured here:
 57 ms to compress 25 MB on one CPU core; compiled: about 4 ms, bitwise equal).
 Compiling costs seconds per new shape, so small buckets stay eager.
+
+``torch.compile`` compiles nothing until it is first called, so a missing
+compiler (no C++ toolchain on a CPU node, no Triton on a GPU one) would only
+show on the communication thread at the first large bucket.  :func:`agree`
+runs at ``wrap()``: every rank compiles a small kernel on the model's device,
+the ranks agree, and if any failed all of them stay eager, with one warning.
+A compile that still fails later falls back to eager in the same way.
 """
 
 from __future__ import annotations
@@ -10,14 +17,18 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+from typing import Optional
 
 import torch
 
-from ..algorithms.kernels import register_compiler
+from ..algorithms.kernels import register_compiler, unregister_compiler
+from ..core.comm import ReduceOp
 
 log = logging.getLogger(__name__)
 
+NAMESPACE = "array_api_compat.torch"
 MIN_NUMEL = 1 << 20  # compile only for buckets of at least a million elements
+_failure: Optional[str] = None  # why kernels stay eager in this process, once decided
 
 
 def _compiled(fn):
@@ -25,18 +36,51 @@ def _compiled(fn):
 
     @functools.wraps(fn)
     def run(*args):
-        with warnings.catch_warnings():  # dynamo notes that array_api_compat's lru_caches are traced through
-            warnings.simplefilter("ignore", UserWarning)
-            return compiled(*args)
+        if _failure is not None:
+            return fn(*args)
+        try:
+            with warnings.catch_warnings():  # dynamo notes that array_api_compat's lru_caches are traced through
+                warnings.simplefilter("ignore", UserWarning)
+                return compiled(*args)
+        except Exception as e:  # noqa: BLE001 - a compiler failure; a real error recurs in eager below
+            fall_back(f"compiling {fn.__name__} failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            return fn(*args)
 
     return run
 
 
 def install() -> None:
     """Compile the algorithms' kernels for torch arrays (idempotent)."""
+    register_compiler(NAMESPACE, _compiled, MIN_NUMEL)
+
+
+def fall_back(why: str) -> None:
+    """Run every kernel eager from now on in this process, with one warning saying ``why``."""
+    global _failure
+    if _failure is None:
+        _failure = why
+        unregister_compiler(NAMESPACE)
+        warnings.warn(f"bagua_x: {why}; compression kernels run eager (correct, slower)", RuntimeWarning,
+                      stacklevel=3)
+
+
+def probe(device: torch.device) -> Optional[str]:
+    """Compile and run a small kernel on ``device``: None when it works, else why not."""
     try:
-        torch.compile(lambda x: x)
-    except RuntimeError as e:  # torch.compile unavailable on this platform: eager is still correct
-        log.info("bagua_x: torch.compile unavailable (%s); kernels stay eager", e)
+        out = torch.compile(lambda x: torch.round(x * 2.5) - 1.0)(torch.arange(8.0, device=device))
+        if not torch.equal(out.cpu(), torch.round(torch.arange(8.0) * 2.5) - 1.0):
+            return "a compiled test kernel gave a wrong result"
+    except Exception as e:  # noqa: BLE001 - whatever the compiler raised
+        return f"torch.compile does not work on {device} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    return None
+
+
+def agree(comm, device: torch.device, numel: int) -> None:
+    """At wrap: compile on every rank where a bucket of ``numel`` elements could use compiled kernels, and
+    keep them only if every rank could (collective: every rank calls it with the same ``numel``)."""
+    if numel < MIN_NUMEL or _failure is not None:
         return
-    register_compiler("array_api_compat.torch", _compiled, MIN_NUMEL)
+    why = probe(device)
+    ok = torch.tensor([0 if why else 1], dtype=torch.int32, device=device)
+    if int(comm.allreduce(ok, ReduceOp.MIN)[0]) == 0:  # once at wrap: the ranks must take the same path
+        fall_back(why or "torch.compile failed on another rank")

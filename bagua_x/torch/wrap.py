@@ -21,6 +21,7 @@ from ..algorithms.base import Algorithm, Phase, Target
 from ..core.comm import Feature
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
+from . import kernels
 from .async_average import AsyncAverageEngine
 from .checks import input_problem
 from .communicator import TorchCommunicator
@@ -63,6 +64,9 @@ class DistributedModel(torch.nn.Module):
                                   "check_finite": check_finite, "input check": problem or "passed"}, process_group)
         if problem:
             raise BaguaXError(f"bagua_x.torch.wrap: {problem}")
+        params = list(module.parameters())
+        if algorithm.uses_kernels and params:
+            kernels.agree(self.comm, params[0].device, sum(p.numel() for p in params))
         broadcast_tensors([*module.parameters(), *module.buffers()], process_group, timeout=self.timeout)
         self._buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
         self._sync_buffers_next = True

@@ -593,3 +593,33 @@ def buffer_broadcast_during_exchange():
     wrapped.shutdown()
     return {"params": [p.detach().numpy().copy() for p in model.parameters()],
             "buffers": [b.detach().numpy().copy() for b in model.buffers()]}
+
+
+def kernels_agree(broken_rank):
+    """wrap(ByteGrad) on a model of >= 1M parameters with the C++ compiler broken on ``broken_rank`` (-1: none):
+    whether the ranks kept compiled kernels, the warnings they gave, and one step's weights."""
+    import warnings
+
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x.algorithms import ByteGrad
+    from bagua_x.algorithms.kernels import _COMPILERS
+    from bagua_x.torch import kernels
+
+    rank, _ = init()
+    if rank == broken_rank:
+        import torch._inductor.config as inductor
+
+        inductor.cpp.cxx = ("/nonexistent/c++",)  # a node without a C++ toolchain
+        inductor.force_disable_caches = True  # and nothing compiled earlier on disk
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dp = bxt.wrap(model, algorithm=ByteGrad(), bucket_cap_mb=100)
+        torch.manual_seed(rank)
+        dp(torch.randn(4, 1024)).square().sum().backward()
+    return {"compiling": kernels.NAMESPACE in _COMPILERS, "failure": kernels._failure,
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+            "grad": model.weight.grad.numpy().copy()}

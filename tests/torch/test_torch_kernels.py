@@ -1,12 +1,19 @@
-"""The compiled MinMaxUInt8 kernels give the plain kernels' results bit for bit."""
+"""The compiled MinMaxUInt8 kernels give the plain kernels' results bit for bit; where torch.compile does not
+work, every rank runs them eager instead of failing."""
 
+import os
+
+import numpy as np
 import pytest
 import torch
 
 import bagua_x.torch  # noqa: F401  (installs the kernels)
 from bagua_x.algorithms import compression
 from bagua_x.algorithms.compression import dequantize, quantize, sum_requantize
+from bagua_x.torch import kernels
 from bagua_x.torch.kernels import MIN_NUMEL
+
+ENV = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
 
 
 @pytest.mark.parametrize("rows", [1, 2])  # one row: the header's bytes sit at an odd offset of the buffer
@@ -36,3 +43,48 @@ def test_kernels_compile_for_large_arrays_only():
     assert not counter["stats"]["unique_graphs"]
     quantize(torch.zeros(2, MIN_NUMEL))
     assert counter["stats"]["unique_graphs"] == 1
+
+
+def test_ranks_agree_to_run_eager_when_one_cannot_compile():
+    """rank 1 has no working C++ compiler: at wrap both ranks find out and stay eager (one warning each), and the
+    first large bucket -- which used to compile on the communication thread and kill training -- reduces."""
+    from launch import run_workers
+
+    out = run_workers("bx_torch_workers:kernels_agree", 2, args=(1,), timeout=240, env=ENV)
+    assert len(out) == 2
+    assert [r["compiling"] for r in out] == [False, False]
+    assert "InvalidCxxCompiler" in out[1]["failure"] and out[0]["failure"] == "torch.compile failed on another rank"
+    for r in out:
+        assert len(r["warnings"]) == 1 and "compression kernels run eager" in r["warnings"][0], r["warnings"]
+    assert np.array_equal(out[0]["grad"], out[1]["grad"])  # ByteGrad leaves every rank with the same bytes
+
+
+def test_ranks_keep_compiled_kernels_when_all_can_compile():
+    from launch import run_workers
+
+    out = run_workers("bx_torch_workers:kernels_agree", 2, args=(-1,), timeout=240, env=ENV)
+    assert [(r["compiling"], r["failure"], r["warnings"]) for r in out] == [(True, None, [])] * 2
+    assert np.array_equal(out[0]["grad"], out[1]["grad"])
+
+
+def test_a_compile_that_fails_later_falls_back_to_eager(monkeypatch):
+    from bagua_x.algorithms.kernels import _COMPILERS, kernel
+
+    @kernel
+    def affine(x):  # a kernel of its own: none compiled before
+        return x * 2.5 + 1.0
+
+    def broken(fn, **kw):
+        def run(*args):
+            raise RuntimeError("no compiler here")
+        return run
+
+    monkeypatch.setattr(kernels, "_failure", None)
+    monkeypatch.setitem(_COMPILERS, kernels.NAMESPACE, (kernels._compiled, MIN_NUMEL))
+    monkeypatch.setattr(torch, "compile", broken)
+    x = torch.randn(2, MIN_NUMEL)
+    with pytest.warns(RuntimeWarning, match="compiling affine failed .*no compiler here.*run eager"):
+        y = affine(x)
+    assert torch.equal(y, affine.plain(x))
+    assert kernels.NAMESPACE not in _COMPILERS
+    monkeypatch.setitem(_COMPILERS, kernels.NAMESPACE, (kernels._compiled, MIN_NUMEL))  # restored on teardown
