@@ -14,6 +14,14 @@ rank stops the threads of all ranks after the same round (no rank is left
 waiting in a collective).  ``abort()`` and ``resume()`` are collective: call
 them on every rank.
 
+On CUDA the thread sets the model's device and runs on a stream of its own.
+The weight lock orders the threads on the host; on the GPU each side, on
+taking the lock, makes its stream wait for an event the other side recorded
+when it let go (:mod:`.streams`), so a snapshot never reads weights the
+optimizer's kernels are still writing and a forward never reads weights the
+averaging kernels are still writing.  The stop flag lives on the weights'
+device (an NCCL group has no CPU tensors).
+
 Faults: the thread's collectives raise after wrap's ``timeout``; an error on
 the thread is re-raised on the training thread at the next forward or
 optimizer step (averaging silently stopping would leave ranks drifting apart),
@@ -37,6 +45,7 @@ from ..algorithms.model_average import AsyncModelAverage, async_average_delta
 from ..core.bucket import Bucket
 from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
+from . import streams
 from .buckets import build_buckets, register_parameters
 from .communicator import TorchCommunicator
 from .engine import EngineOptions
@@ -76,6 +85,9 @@ class AsyncAverageEngine:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaguaXError] = None  # from the background thread, raised on the training thread
+        self._device = named_params[0][1].device
+        self._stream = streams.side(self._device, "async-average")
+        self._released = {"training": None, "thread": None}  # each side's event when it last let go of the lock
         self._hooks = [optimizer.register_step_post_hook(lambda *_: self._after_step())]
 
     @property
@@ -107,10 +119,12 @@ class AsyncAverageEngine:
                 self._waiting.wait_for(lambda: self._waiters == 0)
             self._lock.acquire()
             self._holding = True
+            streams.wait(streams.current(self._device), self._released["thread"])
 
     def _after_step(self) -> None:
         if self._holding:
             self._holding = False
+            self._released["training"] = streams.record(streams.current(self._device))
             self._lock.release()
         self.steps += 1
         if self.steps >= self.algorithm.warmup_steps:
@@ -129,12 +143,14 @@ class AsyncAverageEngine:
     def _loop(self) -> None:
         interval = self.algorithm.sync_interval_ms / 1000
         try:
-            while True:
-                time.sleep(interval)
-                flag = torch.tensor([1.0 if self._stop.is_set() else 0.0])
-                if self.comm.allreduce(flag, ReduceOp.MAX).item() > 0:
-                    return
-                self._average()
+            streams.set_device(self._device)
+            with streams.use(self._stream):
+                while True:
+                    time.sleep(interval)
+                    flag = torch.tensor([1.0 if self._stop.is_set() else 0.0], device=self._device)
+                    if self.comm.allreduce(flag, ReduceOp.MAX).item() > 0:  # this thread's stream only
+                        return
+                    self._average()
         except Exception as e:  # noqa: BLE001 -- re-raised on the training thread
             log.exception("bagua_x: asynchronous model averaging stopped after an error")
             self._error = BaguaXError(
@@ -161,7 +177,11 @@ class AsyncAverageEngine:
             self._waiters += 1
         try:
             with self._lock:
-                yield
+                streams.wait(self._stream, self._released["training"])
+                try:
+                    yield
+                finally:
+                    self._released["thread"] = streams.record(self._stream)
         finally:
             with self._waiting:
                 self._waiters -= 1
@@ -173,6 +193,7 @@ class AsyncAverageEngine:
         self._stop.set()
         if self._holding:  # the thread may be waiting for the weights: let it see the stop flag
             self._holding = False
+            self._released["training"] = streams.record(streams.current(self._device))
             self._lock.release()
         if self._thread is not None:
             self._thread.join(self.comm.timeout)

@@ -623,3 +623,29 @@ def kernels_agree(broken_rank):
     return {"compiling": kernels.NAMESPACE in _COMPILERS, "failure": kernels._failure,
             "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
             "grad": model.weight.grad.numpy().copy()}
+
+
+def async_average_stream_order(steps=30):
+    """AsyncModelAverage with bagua_x.torch.streams.TRACE on: the stream operations each thread asked for."""
+    import time
+
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x.algorithms import AsyncModelAverage
+    from bagua_x.torch import streams
+
+    rank, _ = init()
+    streams.TRACE = []
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    wrapped = bxt.wrap(model, opt, algorithm=AsyncModelAverage(sync_interval_ms=2, warmup_steps=2))
+    for _ in range(steps):
+        opt.zero_grad()
+        wrapped(torch.randn(8, 16)).square().sum().backward()
+        opt.step()
+        time.sleep(0.004)
+    wrapped.abort()
+    trace, streams.TRACE = streams.TRACE, None
+    return {"trace": trace, "rounds": wrapped._engine.rounds}

@@ -132,3 +132,18 @@ def test_weight_algorithm_phase_through_wrap(name):
     """Decentralized averages the weights the gradient was computed at; ModelAverage the stepped weights."""
     for diff in run_workers("bx_torch_workers:weight_phase_semantics", nproc=2, timeout=60, env=ENV, args=(name,)):
         assert diff < 1e-6
+
+
+def test_async_averaging_hands_the_weights_over_through_stream_events():
+    """The weight lock orders the two threads on the host; on a GPU their streams must be ordered too: whoever
+    takes the lock first waits for the event the other side recorded when it let go. On the CPU the stream layer
+    does nothing but record, which is what this checks (the GPU check runs it on CUDA)."""
+    for out in run_workers("bx_torch_workers:async_average_stream_order", nproc=2, timeout=120, env=ENV):
+        assert out["rounds"] >= 3
+        thread = [op for op, stream in out["trace"] if stream == "async-average"]
+        training = [op for op, stream in out["trace"] if stream == "current"]
+        assert thread[0] == "use" and "use" not in thread[1:]  # the whole loop runs on its own stream
+        # two locked sections a round (snapshot, write-back): each starts waiting for training's event, ends recording
+        assert thread[1:] == ["wait", "record"] * (2 * out["rounds"]), thread
+        # every forward (the lock is taken in warm-up too) waits for the thread's event, every step records one
+        assert training == ["wait", "record"] * 30, training

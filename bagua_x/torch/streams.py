@@ -1,0 +1,100 @@
+"""CUDA streams and events for the threads bagua_x runs, by CUDA's rules; on the CPU every call does nothing.
+
+The rules (DDP's reducer follows the same ones):
+
+* Each engine communicates on a stream of its own (:func:`side`), so its
+  collectives, compression and the waits for them never queue in front of the
+  kernels of the compute stream.
+* Work handed from one stream to another goes through an event recorded on the
+  producing stream after the work (:func:`record`) that the consuming stream
+  waits for (:func:`wait`): ordering on the GPU, no host sync.
+* Memory allocated on one stream and used on another is marked
+  (:func:`keep_for`), so the caching allocator does not hand it out again
+  before the other stream is done with it.
+* A thread bagua_x starts first sets the device (:func:`set_device`): CUDA's
+  current device is per thread, and defaults to GPU 0.
+
+``TRACE``: when a test sets it to a list, every call appends
+``(operation, stream name)``, on the CPU too, so tests check the order of the
+stream operations on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["Stream", "current", "side", "record", "wait", "wait_stream", "use", "keep_for", "set_device", "TRACE"]
+
+TRACE: Optional[list] = None
+_TRACE_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """A named stream; ``cuda`` is None on the CPU."""
+
+    name: str
+    cuda: Optional[Any] = None
+
+
+def _trace(op: str, stream: Stream) -> None:
+    if TRACE is not None:
+        with _TRACE_LOCK:
+            TRACE.append((op, stream.name))
+
+
+def current(device: torch.device) -> Stream:
+    """The calling thread's current stream on ``device`` (the compute stream, for the training thread)."""
+    return Stream("current", torch.cuda.current_stream(device) if device.type == "cuda" else None)
+
+
+def side(device: torch.device, name: str) -> Stream:
+    """A new stream on ``device`` for one engine or thread."""
+    return Stream(name, torch.cuda.Stream(device) if device.type == "cuda" else None)
+
+
+def record(stream: Stream) -> Optional[Any]:
+    """An event marking the work queued on ``stream`` so far (None on the CPU)."""
+    _trace("record", stream)
+    if stream.cuda is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream.cuda)
+    return event
+
+
+def wait(stream: Stream, event: Optional[Any]) -> None:
+    """Work queued on ``stream`` from now on starts after ``event`` (a no-op for None: nothing to wait for)."""
+    _trace("wait", stream)
+    if stream.cuda is not None and event is not None:
+        stream.cuda.wait_event(event)
+
+
+def wait_stream(stream: Stream, other: Stream) -> None:
+    """Work queued on ``stream`` from now on starts after everything queued on ``other`` so far."""
+    _trace(f"wait_stream {other.name}", stream)
+    if stream.cuda is not None and other.cuda is not None:
+        stream.cuda.wait_stream(other.cuda)
+
+
+def use(stream: Stream):
+    """Context in which kernels of the calling thread are queued on ``stream``."""
+    _trace("use", stream)
+    return torch.cuda.stream(stream.cuda) if stream.cuda is not None else contextlib.nullcontext()
+
+
+def keep_for(tensor: torch.Tensor, stream: Stream) -> None:
+    """``tensor``'s memory is not reused before the work queued on ``stream`` so far is done."""
+    if stream.cuda is not None and tensor.is_cuda:
+        tensor.record_stream(stream.cuda)
+
+
+def set_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's CUDA device (at the start of every thread bagua_x starts)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
