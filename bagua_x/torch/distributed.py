@@ -7,6 +7,7 @@ import importlib
 import itertools
 import logging
 import os
+import socket
 from collections import defaultdict
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -16,19 +17,28 @@ import torch.distributed as dist
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from ..core.validation import check_same_everywhere, describe
+from ..core.wire import decode as wire_decode
 from ..core.wire import decode_description, encode
 from .watchdog import resolve_timeout, restart_count, store_allgather
 
 if TYPE_CHECKING:
     from .communicator import TorchCommunicator
 
-__all__ = ["ensure_initialized", "check_same_model", "check_same_buckets", "broadcast_tensors", "allgather_bytes"]
+__all__ = ["ensure_initialized", "model_device", "check_one_gpu_per_rank", "check_same_model", "check_same_buckets",
+           "broadcast_tensors", "allgather_bytes"]
 
 log = logging.getLogger(__name__)
 
 # per kind of rebuild, rebuilds happen in the same order on every rank; separate counters keep a rank that
 # skipped one kind (QAdam's switch, the first-step reorder) from pairing its check with another kind's
 _bucket_checks: dict = defaultdict(itertools.count)
+_device_checks = itertools.count()  # one GPU check per wrap(), in the same order on every rank
+
+
+def model_device(module: torch.nn.Module) -> torch.device:
+    """The device of the model's parameters (wrap refuses a model on several devices), where bagua_x works."""
+    devices = {p.device for p in module.parameters()}
+    return devices.pop() if len(devices) == 1 else torch.device("cpu")
 
 
 def ensure_initialized(module: torch.nn.Module) -> None:
@@ -41,10 +51,10 @@ def ensure_initialized(module: torch.nn.Module) -> None:
             f"torch.distributed is not initialised and {', '.join(missing)} are not set; launch with "
             "`torchrun --nproc_per_node N script.py` or call torch.distributed.init_process_group() before wrap()"
         )
-    on_cuda = any(p.is_cuda for p in module.parameters())
-    backend = "nccl" if on_cuda else "gloo"
-    if on_cuda and "LOCAL_RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = model_device(module)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's own set-up uses the current device
     attempt = restart_count()
     if attempt:
         # torchrun restarts workers on the same store, where the previous attempt's process-group keys
@@ -58,6 +68,39 @@ def ensure_initialized(module: torch.nn.Module) -> None:
              backend, dist.get_rank(), dist.get_world_size())
 
 
+def check_one_gpu_per_rank(device: torch.device, group: Optional[dist.ProcessGroup], timeout: float) -> None:
+    """Raise the same BaguaXError on every rank if two ranks' models are on the same GPU.
+
+    The usual cause: ``model.cuda()`` without ``torch.cuda.set_device(LOCAL_RANK)``
+    puts every rank on GPU 0, and NCCL fails at the first collective with a
+    terse "Duplicate GPU detected".  Checked through the store, before any collective.
+    """
+    if device.type != "cuda":
+        return
+    props = torch.cuda.get_device_properties(device)
+    uuid = str(getattr(props, "uuid", "")) or f"{socket.gethostname()}/{device.index}"
+    gathered = store_allgather(f"devices/{next(_device_checks)}", encode([uuid, str(device)]), group, timeout,
+                               "bagua_x.torch.wrap: checking that each rank has a GPU of its own")
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(gathered)))
+    problem = shared_gpus([wire_decode(d, f"rank {r}'s GPU") for r, d in zip(ranks, gathered)], ranks)
+    if problem:
+        raise BaguaXError(f"bagua_x.torch.wrap: {problem}")
+
+
+def shared_gpus(entries: Sequence[Sequence[str]], ranks: Sequence[int]) -> Optional[str]:
+    """What is wrong when ranks share a GPU (``entries``: each rank's GPU id and device name), else None."""
+    owners: dict = defaultdict(list)
+    for rank, (uuid, name) in zip(ranks, entries):
+        owners[uuid].append((rank, name))
+    shared = [ranks_on for ranks_on in owners.values() if len(ranks_on) > 1]
+    if not shared:
+        return None
+    where = "; ".join(f"ranks {[r for r, _ in group]} are all on {group[0][1]}" for group in shared)
+    return (f"{where}, the same GPU: NCCL needs one GPU per rank. Move each rank's model to its own GPU before "
+            "wrap(): torch.cuda.set_device(int(os.environ['LOCAL_RANK'])); model.cuda() (or "
+            "model.to(f'cuda:{LOCAL_RANK}'))")
+
+
 def check_same_model(module: torch.nn.Module, settings: dict, group: Optional[dist.ProcessGroup]) -> None:
     """Raise the same BaguaXError on every rank if ranks wrap different models or algorithms.
 
@@ -68,17 +111,18 @@ def check_same_model(module: torch.nn.Module, settings: dict, group: Optional[di
     tensors += [(f"{n} (buffer)", b.shape, str(b.dtype)) for n, b in module.named_buffers()]
     # without the leading tensor count, a missing or extra layer is reported by its name
     context = "bagua_x.torch.wrap: ranks wrap different models or algorithms"
-    gathered = allgather_bytes(encode(describe(tensors, settings)), group)
+    gathered = allgather_bytes(encode(describe(tensors, settings)), group, model_device(module))
     everyone = [decode_description(data, f"{context}: rank {r}'s description") for r, data in enumerate(gathered)]
     check_same_everywhere(everyone, context)
 
 
-def allgather_bytes(data: bytes, group: Optional[dist.ProcessGroup]) -> list[bytes]:
+def allgather_bytes(data: bytes, group: Optional[dist.ProcessGroup], device: torch.device) -> list[bytes]:
     """Every rank's ``data`` (any length), in rank order: two collectives, lengths then padded bytes.
 
     Unlike ``all_gather_object`` nothing is unpickled: the caller decodes plain data.
+    The collectives run on ``device`` (the model's) where it is a GPU, so an NCCL group is fine.
     """
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    device = device if device.type == "cuda" else torch.device("cpu")
     world = dist.get_world_size(group)
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(world)]

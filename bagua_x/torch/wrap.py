@@ -26,7 +26,8 @@ from .async_average import AsyncAverageEngine
 from .checks import input_problem
 from .communicator import TorchCommunicator
 from .ddp_args import check_ddp_arguments
-from .distributed import broadcast_tensors, check_same_model, ensure_initialized
+from .distributed import (broadcast_tensors, check_one_gpu_per_rank, check_same_model, ensure_initialized,
+                          model_device)
 from .engine import Engine, EngineOptions
 from .grad_sync import GradientEngine
 from .qadam import MomentumEngine, QAdamOptimizer
@@ -57,6 +58,7 @@ class DistributedModel(torch.nn.Module):
         self.comm = TorchCommunicator(process_group, timeout=self.timeout)
         if Feature.HIERARCHICAL in algorithm.uses:
             self.comm.enable_hierarchical(required=Feature.HIERARCHICAL in algorithm.requires)
+        check_one_gpu_per_rank(model_device(module), process_group, self.timeout)
         # exchanged with the model description, so a problem on any rank is raised on every rank
         problem = input_problem(module)
         check_same_model(module, {"algorithm": algorithm.hyperparameters(), "bucket_cap_mb": bucket_cap_mb,

@@ -79,3 +79,13 @@ def test_buffer_broadcast_waits_for_the_exchange_in_flight():
     assert len(out[0]["buffers"]) == len(out[1]["buffers"]) == 3
     for a, b in zip(out[0]["buffers"], out[1]["buffers"]):
         np.testing.assert_array_equal(a, b)  # buffers broadcast from rank 0 after the second forward's stats
+
+
+def test_ranks_sharing_a_gpu_are_named_with_the_fix():
+    from bagua_x.torch.distributed import shared_gpus
+
+    gpus = [("GPU-a", "cuda:0"), ("GPU-a", "cuda:0"), ("GPU-b", "cuda:1"), ("GPU-a", "cuda:0")]
+    problem = shared_gpus(gpus, [0, 1, 2, 3])
+    assert problem.startswith("ranks [0, 1, 3] are all on cuda:0, the same GPU")
+    assert "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))" in problem
+    assert shared_gpus(gpus[1:3], [4, 5]) is None  # ranks of a subgroup, each on its own GPU
