@@ -9,7 +9,7 @@ import logging
 import os
 import socket
 from collections import defaultdict
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -41,8 +41,9 @@ def model_device(module: torch.nn.Module) -> torch.device:
     return devices.pop() if len(devices) == 1 else torch.device("cpu")
 
 
-def ensure_initialized(module: torch.nn.Module) -> None:
-    """Initialise torch.distributed from torchrun's environment if the user has not (gloo on CPU, NCCL on CUDA)."""
+def ensure_initialized(module: torch.nn.Module, timeout: Union[None, float, datetime.timedelta] = None) -> None:
+    """Initialise torch.distributed from torchrun's environment if the user has not (gloo on CPU, NCCL on CUDA),
+    with ``timeout`` (wrap's) as the process group's own timeout."""
     if dist.is_initialized():
         return
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
@@ -55,15 +56,18 @@ def ensure_initialized(module: torch.nn.Module) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's own set-up uses the current device
+    options = {}
+    if timeout is not None:
+        options["timeout"] = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
     attempt = restart_count()
     if attempt:
         # torchrun restarts workers on the same store, where the previous attempt's process-group keys
         # (the dead ranks' gloo addresses) remain: connect under a prefix unique to this attempt
         store, rank, world = next(importlib.import_module("torch.distributed.rendezvous").rendezvous("env://"))
         dist.init_process_group(backend, store=dist.PrefixStore(f"bagua_x/attempt_{attempt}", store),
-                                rank=rank, world_size=world)
+                                rank=rank, world_size=world, **options)
     else:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **options)
     log.info("bagua_x: initialised torch.distributed (%s), rank %d of %d",
              backend, dist.get_rank(), dist.get_world_size())
 

@@ -198,7 +198,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         raise BaguaXError(f"wrap() expects a torch.nn.Module, got {type(model).__name__}")
     bucket_cap_mb = check_ddp_arguments(model, optimizer, device_ids, output_device, gradient_as_bucket_view,
                                         bucket_cap_mb)
-    ensure_initialized(model)
+    ensure_initialized(model, timeout)
     if algorithm is None:
         algorithm = optimizer.algorithm if isinstance(optimizer, QAdamOptimizer) else GradientAllReduce()
     return DistributedModel(model, optimizer, algorithm, process_group, bucket_cap_mb,

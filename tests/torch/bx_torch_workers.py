@@ -649,3 +649,16 @@ def async_average_stream_order(steps=30):
     wrapped.abort()
     trace, streams.TRACE = streams.TRACE, None
     return {"trace": trace, "rounds": wrapped._engine.rounds}
+
+
+def wrap_initialises_with_its_timeout():
+    """wrap() on a process without torch.distributed: the group it makes has wrap's timeout as its own."""
+    import torch
+    import torch.distributed as dist
+
+    import bagua_x.torch as bxt
+    from bagua_x.torch.watchdog import resolve_timeout
+
+    assert not dist.is_initialized()
+    bxt.wrap(torch.nn.Linear(4, 2), timeout=7.5)
+    return resolve_timeout(None, None)

@@ -89,3 +89,8 @@ def test_ranks_sharing_a_gpu_are_named_with_the_fix():
     assert problem.startswith("ranks [0, 1, 3] are all on cuda:0, the same GPU")
     assert "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))" in problem
     assert shared_gpus(gpus[1:3], [4, 5]) is None  # ranks of a subgroup, each on its own GPU
+
+
+def test_wrap_gives_the_process_group_it_initialises_its_timeout():
+    # the group's own waits (NCCL's watchdog, gloo's collectives) then end when wrap's do, not after 10-30 min
+    assert run_workers("bx_torch_workers:wrap_initialises_with_its_timeout", nproc=2, timeout=60, env=ENV) == [7.5, 7.5]
