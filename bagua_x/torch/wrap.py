@@ -179,6 +179,11 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     communicated value (gradient, weight or QAdam momentum) is NaN or infinite
     after the reduction, naming the tensor, on every rank at the same step.
 
+    On a GPU the default paths never wait for the GPU on the host.  Two
+    options do, by their nature: ``check_finite=True`` reads one flag per
+    bucket after its reduction, and ``find_unused_parameters=True`` reads the
+    per-parameter "no rank used it" flags once per step (as DDP does).
+
     DDP's keywords, so ``DDP(model, ...)`` -> ``wrap(model, ...)`` is a rename
     (checked before any communication; a BaguaXError says why one does not apply):
     ``process_group``, ``find_unused_parameters``, ``broadcast_buffers`` and
