@@ -18,9 +18,20 @@ So each rank sends ``r (n + m)`` elements per compressed matrix instead of
 ``n m``.  This needs each tensor's shape, which is why algorithms receive the
 bucket's layout.  Orthonormalisation is Gram-Schmidt (torch switches to QR
 for ``r > 2``: the same basis up to column signs, which cancel in ``P Q^T``);
-an all-zero column stays zero instead of becoming NaN.  Without warm start,
-``Q`` restarts each step from the same seeded draw: the Array API has no
-random numbers, so a fresh draw per step (torch's hook) is not available.
+an all-zero column stays zero instead of becoming NaN (torch's hook divides
+by its zero norm).  Without warm start, ``Q`` restarts each step from the same
+seeded draw: the Array API has no random numbers, so a fresh normal draw per
+step (torch's hook) is not available.
+
+A zero column of the warm-started ``Q`` is drawn again.  A matrix whose
+gradient (plus error feedback) is exactly zero for one step -- a parameter
+unused in that step, at the first compressed step or without error feedback --
+gives ``P = 0``, so ``Q = M^T P = 0``, and ``P = M Q`` would stay zero at
+every later step: the matrix would be switched off for good while its error
+grows.  The redraw is :func:`_redraw`, a counter-based hash of the seed, the
+step and the element's position in integer Array API arithmetic: identical
+on every rank (``Q`` is the same everywhere after its allreduce, so is the mask)
+and traceable by JAX (a ``where`` on a per-column mask, no data-dependent branch).
 """
 
 from __future__ import annotations
@@ -47,6 +58,10 @@ class _Matrix:
     rank: int
     q_offset: int
 
+    def q(self, buffer, xp):
+        """This matrix's ``cols x rank`` factor in a buffer laid out as the state's ``q``."""
+        return xp.reshape(buffer[self.q_offset : self.q_offset + self.cols * self.rank], (self.cols, self.rank))
+
 
 def _orthonormal(a, xp):
     """The columns of ``a`` made orthonormal, in order (modified Gram-Schmidt; zero columns stay zero)."""
@@ -59,6 +74,38 @@ def _orthonormal(a, xp):
         safe = xp.where(norm > 0, norm, xp.ones_like(norm))
         cols.append(xp.where(norm > 0, col / safe, xp.zeros_like(col)))
     return xp.stack(cols, axis=1)
+
+
+def _int32(c: int) -> int:
+    """``c`` modulo 2**32 as a signed 32-bit value: the same bits, a constant every namespace keeps int32."""
+    c &= 0xFFFFFFFF
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _mix(h):
+    """MurmurHash3's 32-bit finaliser on int32 arrays (wrapping products; shifts masked to be logical)."""
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * _int32(0x85EBCA6B)
+    h = h ^ ((h >> 13) & 0x7FFFF)
+    h = h * _int32(0xC2B2AE35)
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def _redraw(seed: int, step, numel: int, like, xp):
+    """``numel`` values uniform in [-1, 1) (multiples of 2**-23), a function of ``seed``, ``step`` and position only.
+
+    The direction of a ``Q`` column is all that matters, so uniform serves as well
+    as normal and needs no ``log``/``cos`` whose rounding differs between libraries.
+    """
+    device = array_api_compat.device(like)
+    key = _mix(xp.reshape(xp.astype(step, xp.int32), (1,)) * _int32(0x9E3779B9) + _int32(seed))  # 1-d: wraps silently
+    bits = _mix(xp.arange(numel, dtype=xp.int32, device=device) + key) & 0xFFFFFF
+    return xp.astype(xp.astype(bits, xp.float32) / 2.0**23 - 1.0, like.dtype)
+
+
+def _revive(q, fresh, xp):
+    """``q`` with each all-zero column replaced by that column of ``fresh`` (a dead warm start, see above)."""
+    return xp.where(xp.all(q == 0, axis=0), fresh, q)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +175,8 @@ class PowerSGD(Algorithm):
                     start += n
             if matrices:
                 ms = [xp.reshape(g[m.offset : m.offset + m.rows * m.cols], (m.rows, m.cols)) for m in matrices]
-                qs = [_orthonormal(xp.reshape(q[m.q_offset : m.q_offset + m.cols * m.rank], (m.cols, m.rank)),
-                                   xp) for m in matrices]
+                fresh = _redraw(self.random_seed, state["step"], q.shape[0], q, xp)
+                qs = [_orthonormal(_revive(m.q(q, xp), m.q(fresh, xp), xp), xp) for m in matrices]
                 ps = self._exchange([xp.matmul(mat, qm) for mat, qm in zip(ms, qs)], comm, ReduceOp.SUM, xp)
                 ps = [_orthonormal(p, xp) for p in ps]
                 qs = self._exchange([xp.matmul(mat.T, p) for mat, p in zip(ms, ps)], comm, ReduceOp.AVG, xp)

@@ -24,9 +24,10 @@ def grads(n, t, numel):
     return [rng.standard_normal(numel).astype(np.float32) for _ in range(n)]
 
 
-def train(n, alg, lay, steps=STEPS):
+def train(n, alg, lay, steps=STEPS, inputs=None):
     """Each rank's bucket after each step, the inputs, and each rank's communicator."""
-    inputs = [grads(n, t, lay.padded_numel) for t in range(steps)]
+    inputs = inputs or [grads(n, t, lay.padded_numel) for t in range(steps)]
+    steps = len(inputs)
     for xs in inputs:  # padding is zero, as in a real bucket
         for x in xs:
             x[lay.numel:] = 0
@@ -97,12 +98,44 @@ def test_padding_is_averaged_and_kept_zero():
             assert not outs[t][lay.numel:].any()
 
 
-def test_a_zero_gradient_stays_zero():
-    lay = layout([(8, 6)])
-    alg = PowerSGD(start_powerSGD_iter=0)
-    out, _ = run(2, lambda c: alg.reduce(np.zeros(48, np.float32), lay, alg.init(np.zeros(48, np.float32), lay, 2),
-                                         c)[0])
-    assert all(np.array_equal(o, np.zeros(48)) for o in out)  # torch's hook would give NaN here
+@pytest.mark.parametrize("settings", [{}, {"use_error_feedback": False}, {"matrix_approximation_rank": 2},
+                                      {"random_seed": 3}])
+def test_a_zero_gradient_does_not_switch_a_matrix_off(settings):
+    """All-zero gradients at the first compressed step (a parameter unused in that step) give P = 0 and Q = 0;
+    the zero Q columns are drawn again, so the next gradients are compressed as usual (torch's hook gives NaN)."""
+    n, lay, zero = 2, layout(), 2
+    alg = PowerSGD(start_powerSGD_iter=2, **settings)
+    inputs = [grads(n, t, lay.numel) for t in range(STEPS + 1)]
+    inputs[zero] = [np.zeros(lay.numel, np.float32) for _ in range(n)]
+    results, _, _ = train(n, alg, lay, inputs=inputs)
+    want = ref.powersgd(inputs, SHAPES, rank=alg.matrix_approximation_rank, start=2,
+                        error_feedback=alg.use_error_feedback, seed=alg.random_seed)
+    for r, (outs, state) in enumerate(results):
+        assert not outs[zero].any()
+        assert np.isfinite(state["q"]).all() and np.isfinite(state["error"]).all()
+        for t in range(len(inputs)):  # seen: up to 3e-6
+            np.testing.assert_allclose(outs[t], want[t][r], rtol=0, atol=1e-5, err_msg=f"rank {r} step {t}")
+        for t in range(zero + 1, len(inputs)):  # both matrices are compressed again, not zero
+            assert np.abs(outs[t][:192]).max() > 0.1 and np.abs(outs[t][204:264]).max() > 0.1, t
+
+
+def test_a_column_that_adds_nothing_is_drawn_again():
+    """Rank 2 and gradients nonzero in the first row only: P's second column is a multiple of its first, so
+    Gram-Schmidt makes it exactly zero (not NaN), Q's second column is zero, and it is drawn again next step."""
+    n, lay = 2, layout([(16, 12)])
+    alg = PowerSGD(start_powerSGD_iter=0, matrix_approximation_rank=2)
+    inputs = [grads(n, t, 192) for t in range(3)]
+    for x in inputs[0]:
+        x[12:] = 0
+    results, _, _ = train(n, alg, lay, inputs=inputs)
+    want = ref.powersgd(inputs, [(16, 12)], rank=2)
+    for r, (outs, state) in enumerate(results):
+        assert state["q"].shape == (2 * 12,)  # compressed at rank 2
+        np.testing.assert_allclose(outs[0], np.mean(inputs[0], axis=0), rtol=0, atol=1e-6)  # rank 1 is exact
+        for t in range(3):  # seen: up to 1e-6
+            np.testing.assert_allclose(outs[t], want[t][r], rtol=0, atol=1e-5, err_msg=f"rank {r} step {t}")
+        # both columns at work: the rank-2 result is no rank-1 matrix
+        assert np.linalg.svd(outs[2].reshape(16, 12).astype(np.float64), compute_uv=False)[1] > 0.1
 
 
 def test_refuses_bad_settings():

@@ -16,8 +16,9 @@ def _init():
     return dist.get_rank(), dist.get_world_size()
 
 
-def reduce_steps(shapes, steps, settings):
-    """``PowerSGD(**settings).reduce`` on a bucket of ``shapes`` for ``steps`` steps: every step's input and output."""
+def reduce_steps(shapes, steps, settings, zero_step=None):
+    """``PowerSGD(**settings).reduce`` on a bucket of ``shapes`` for ``steps`` steps: every step's input and output
+    (all zero at ``zero_step``)."""
     import torch
 
     from bagua_x.algorithms import PowerSGD
@@ -28,6 +29,8 @@ def reduce_steps(shapes, steps, settings):
     layout = BucketLayout([f"t{i}" for i in range(len(shapes))], shapes, "float32")
     alg, comm = PowerSGD(**settings), TorchCommunicator()
     ins = [np.random.default_rng(100 * t + rank).standard_normal(layout.numel).astype(np.float32) for t in range(steps)]
+    if zero_step is not None:
+        ins[zero_step][:] = 0
     state = alg.init(torch.from_numpy(ins[0]), layout, size)
     outs = []
     for x in ins:

@@ -13,12 +13,15 @@ ENV = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
 SHAPES = [(16, 12), (12,), (5, 4, 3), (3, 3)]
 
 
-@pytest.mark.parametrize("settings", [{"start_powerSGD_iter": 1, "matrix_approximation_rank": 2},
-                                      {"start_powerSGD_iter": 0, "warm_start": False}])
-def test_matches_the_reference_over_gloo(settings):
+@pytest.mark.parametrize("settings,zero_step", [({"start_powerSGD_iter": 1, "matrix_approximation_rank": 2}, None),
+                                                ({"start_powerSGD_iter": 0, "warm_start": False}, None),
+                                                ({"start_powerSGD_iter": 1}, 1)])
+def test_matches_the_reference_over_gloo(settings, zero_step):
+    """``zero_step``: all gradients zero at the first compressed step; Q's zero columns are drawn again by
+    the int32 hash on torch tensors, which must equal the reference's uint32 one."""
     steps = 4
     res = run_workers("bx_powersgd_workers:reduce_steps", nproc=2, timeout=120, env=ENV,
-                      args=(SHAPES, steps, settings))
+                      args=(SHAPES, steps, settings, zero_step))
     want = ref.powersgd([[r["ins"][t] for r in res] for t in range(steps)], SHAPES,
                         rank=settings.get("matrix_approximation_rank", 1), start=settings["start_powerSGD_iter"],
                         warm_start=settings.get("warm_start", True))
