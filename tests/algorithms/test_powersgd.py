@@ -171,3 +171,91 @@ def test_wire_bytes_at_rank_two():
     # rank 2: the 16 x 12 is compressed (2 (16 + 12) values), the 5 x 12 is not worth it, nor the 3 x 3
     assert PowerSGD(matrix_approximation_rank=2).wire_bytes(layout(), 4, 4) == pytest.approx(
         2 * 3 / 4 * (12 + 60 + 9 + 2 * (16 + 12)) * 4)
+
+
+def test_state_follows_its_tensors_into_other_buckets():
+    """Three steps on one bucket (compressed from step 1: Q and error feedback live), the state cut per tensor
+    and joined into two other buckets (other order, one padded), two more steps: each tensor's results are
+    bitwise those of two more steps on the one bucket (a comm hook under DDP's regrouping, or a resume)."""
+    n, whole = 2, layout()
+    alg = PowerSGD(start_powerSGD_iter=1)
+    inputs = [grads(n, t, whole.numel) for t in range(5)]
+    groups = [[3, 0], [2, 1]]  # slots of SHAPES: the 3 x 3 and the 16 x 12; the 5 x 4 x 3 and the bias
+    regrouped = [BucketLayout([f"t{i}" for i in g], [SHAPES[i] for i in g], "float32", a)
+                 for g, a in zip(groups, [8, 1])]
+    assert regrouped[0].padded_numel > regrouped[0].numel
+
+    def rank(c):
+        state = alg.init(inputs[0][c.rank], whole, n)
+        for t in range(3):
+            _, state = alg.reduce(inputs[t][c.rank].copy(), whole, state, c)
+        pieces = alg.split_state(state, whole)
+        states = [alg.join_state([pieces[i] for i in g], lay) for g, lay in zip(groups, regrouped)]
+        went_on, moved = [], []
+        for t in range(3, 5):
+            out, state = alg.reduce(inputs[t][c.rank].copy(), whole, state, c)
+            went_on.append(whole.unpack(np.asarray(out)))
+            step = []
+            for k, (g, lay) in enumerate(zip(groups, regrouped)):
+                x = lay.pack([whole.unpack(inputs[t][c.rank])[i] for i in g])
+                out, states[k] = alg.reduce(x, lay, states[k], c)
+                step.append(dict(zip(g, lay.unpack(np.asarray(out)))))
+            moved.append({**step[0], **step[1]})
+        return went_on, moved, states
+
+    for went_on, moved, states in run(n, rank)[0]:
+        for t in range(2):
+            for i in range(len(SHAPES)):
+                np.testing.assert_array_equal(moved[t][i], went_on[t][i], err_msg=f"step {t + 3} tensor {i}")
+        assert [int(s["step"]) for s in states] == [5, 5]
+        assert not states[0]["error"][regrouped[0].numel:].any()  # the padding's error
+
+
+def test_split_and_join_state_round_trip():
+    """A zero-size tensor at the offset of a matrix takes no part of Q; the padding's error comes back as zeros."""
+    shapes = [(12,), (0, 4), (16, 12), (5, 4, 3)]
+    lay = layout(shapes, alignment=8)
+    alg = PowerSGD(start_powerSGD_iter=0)
+    inputs = [grads(2, t, lay.padded_numel) for t in range(2)]
+    states = run(2, lambda c: train_state(alg, lay, inputs, c))[0]
+    for state in states:
+        pieces = alg.split_state(state, lay)
+        assert [p["q"].shape for p in pieces] == [(0,), (0,), (12,), (12,)]
+        assert [p["error"].shape for p in pieces] == [(12,), (0,), (192,), (60,)]
+        np.testing.assert_array_equal(pieces[2]["q"], state["q"][:12])
+        np.testing.assert_array_equal(pieces[3]["error"], state["error"][204:264])
+        joined = alg.join_state(pieces, lay)
+        assert sorted(joined) == ["error", "q", "step"] and int(joined["step"]) == 2
+        for k in ("q", "error"):
+            np.testing.assert_array_equal(joined[k], state[k])
+
+
+def train_state(alg, lay, inputs, c):
+    state = alg.init(inputs[0][c.rank], lay, 2)
+    for xs in inputs:
+        x = xs[c.rank].copy()
+        x[lay.numel:] = 0
+        _, state = alg.reduce(x, lay, state, c)
+    return state
+
+
+def test_a_joined_bucket_takes_the_latest_step():
+    lay = layout([(12,), (3,)])
+    alg = PowerSGD()
+    piece = lambda step, n: {"step": np.asarray(step, np.int32), "q": np.zeros(0, np.float32),  # noqa: E731
+                             "error": np.ones(n, np.float32)}
+    for steps in ([3, 5], [5, 3]):
+        joined = alg.join_state([piece(steps[0], 12), piece(steps[1], 3)], lay)
+        assert int(joined["step"]) == 5 and joined["error"].shape == (15,)
+
+
+def test_stateless_algorithms_split_into_empty_pieces_and_stateful_ones_refuse():
+    from bagua_x.algorithms import GradientAllReduce, LowPrecisionDecentralized
+
+    lay = layout([(4,), (2, 2)])
+    assert GradientAllReduce().split_state({}, lay) == [{}, {}]
+    assert GradientAllReduce().join_state([{}, {}], lay) == {}
+    alg = LowPrecisionDecentralized()
+    with pytest.raises(BaguaXError, match=r"LowPrecisionDecentralized keeps per-bucket state \(\['left', 'right', "
+                                          r"'step', 'w'\]\) that it cannot split per tensor.*bagua_x.torch.wrap"):
+        alg.split_state(alg.init(np.zeros(8, np.float32), lay, 2), lay)
