@@ -190,3 +190,32 @@ def hook_resume(k=4, m=4, start=2, cap_mb=0.005):
     return {"continued": continued, "resumed": resumed, "seen": seen, "saved": sorted(pieces),
             "saved_steps": sorted({int(p["step"]) for p in pieces.values()}),
             "saved_error": max(float(p["error"].abs().max()) for p in pieces.values())}
+
+
+def hook_refuses_foreign_state():
+    """A hook state saved for one model loaded for another: the error says so, on every rank, from backward;
+    a dict that is no hook state is refused at load."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bagua_x.torch as bxt
+    from bagua_x.algorithms import PowerSGD
+    from bagua_x.core import BaguaXError
+
+    _init()
+    messages = []
+    state = bxt.CommHookState(PowerSGD(start_powerSGD_iter=0))
+    try:
+        state.load_algorithm_state_dict({0: {"numel": 3, "state": {}}})
+    except BaguaXError as e:
+        messages.append(str(e))
+    piece = {"step": torch.zeros((), dtype=torch.int32), "q": torch.zeros(7), "error": torch.zeros(70)}
+    state.load_algorithm_state_dict({"parameters": {0: piece}})  # a 7 x 10 matrix's; this one is 8 x 10
+    ddp = DDP(torch.nn.Linear(10, 8, bias=False))
+    ddp.register_comm_hook(state, bxt.comm_hook)
+    try:
+        ddp(torch.randn(2, 10)).sum().backward()
+    except RuntimeError as e:
+        messages.append(str(e))
+    state.close()
+    return messages

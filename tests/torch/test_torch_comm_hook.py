@@ -66,6 +66,15 @@ def test_powersgd_resumes_bitwise_through_the_hook():
     _assert_same_steps(out[0]["resumed"], out[1]["resumed"])
 
 
+def test_hook_refuses_a_state_saved_for_another_model():
+    for load, backward in run_workers("bx_powersgd_workers:hook_refuses_foreign_state", nproc=2, timeout=60, env=ENV):
+        assert "not a CommHookState.algorithm_state_dict() (keys [0]" in load
+        assert "do not load it" in load
+        assert ("the loaded state of parameter 0 has shapes {'step': (), 'q': (7,), 'error': (70,)}, but this DDP "
+                "model and PowerSGD's settings need {'step': (), 'q': (10,), 'error': (80,)}") in backward
+        assert "load it into the same ones, or do not load the hook state" in backward
+
+
 def test_hook_on_many_buckets_equals_ddp():
     out = run_workers("bx_ecosystem_workers:hook_many_buckets", nproc=2, timeout=120, env=ENV)
     for r in out:
