@@ -26,6 +26,7 @@ import array_api_compat
 
 from ..core.bucket import BucketLayout
 from ..core.comm import Feature, ReduceOp
+from ..core.errors import BaguaXError
 
 __all__ = ["Target", "Phase", "Algorithm", "namespace", "counter", "every", "ring_allreduce_bytes", "compressed_bytes",
            "NodeAware", "hierarchical", "over_nodes"]
@@ -82,6 +83,25 @@ class Algorithm:
 
     def reduce(self, flat, layout: BucketLayout, state: dict, comm) -> tuple[Any, dict]:
         raise NotImplementedError
+
+    def split_state(self, state: dict, layout: BucketLayout) -> list[dict]:
+        """``state`` cut into one piece per tensor of ``layout`` (padding dropped).
+
+        So a frontend whose buckets are regrouped by someone else (DDP's rebuild
+        after its first step, or a fresh DDP after a resume: the comm hook) can
+        keep each tensor's state instead of starting the new bucket afresh.
+        :meth:`join_state` is the inverse.  Stateless algorithms need nothing more.
+        """
+        if state:
+            raise BaguaXError(
+                f"{type(self).__name__} keeps per-bucket state ({sorted(state)}) that it cannot split per tensor, so "
+                "it cannot follow tensors into other buckets; keep the same buckets (bagua_x.torch.wrap)"
+            )
+        return [{} for _ in layout.slots]
+
+    def join_state(self, pieces: list[dict], layout: BucketLayout) -> dict:
+        """A bucket's state (laid out as ``layout``) from its tensors' pieces (:meth:`split_state`), in slot order."""
+        return {}
 
     def wire_bytes(self, layout: BucketLayout, itemsize: int, world_size: int) -> float:
         """Bytes each rank sends per training step for a bucket laid out as ``layout`` (steady state)."""

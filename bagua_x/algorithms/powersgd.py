@@ -18,9 +18,20 @@ So each rank sends ``r (n + m)`` elements per compressed matrix instead of
 ``n m``.  This needs each tensor's shape, which is why algorithms receive the
 bucket's layout.  Orthonormalisation is Gram-Schmidt (torch switches to QR
 for ``r > 2``: the same basis up to column signs, which cancel in ``P Q^T``);
-an all-zero column stays zero instead of becoming NaN.  Without warm start,
-``Q`` restarts each step from the same seeded draw: the Array API has no
-random numbers, so a fresh draw per step (torch's hook) is not available.
+an all-zero column stays zero instead of becoming NaN (torch's hook divides
+by its zero norm).  Without warm start, ``Q`` restarts each step from the same
+seeded draw: the Array API has no random numbers, so a fresh normal draw per
+step (torch's hook) is not available.
+
+A zero column of the warm-started ``Q`` is drawn again.  A matrix whose
+gradient (plus error feedback) is exactly zero for one step -- a parameter
+unused in that step, at the first compressed step or without error feedback --
+gives ``P = 0``, so ``Q = M^T P = 0``, and ``P = M Q`` would stay zero at
+every later step: the matrix would be switched off for good while its error
+grows.  The redraw is :func:`_redraw`, a counter-based hash of the seed, the
+step and the element's position in integer Array API arithmetic: identical
+on every rank (``Q`` is the same everywhere after its allreduce, so is the mask)
+and traceable by JAX (a ``where`` on a per-column mask, no data-dependent branch).
 """
 
 from __future__ import annotations
@@ -47,6 +58,10 @@ class _Matrix:
     rank: int
     q_offset: int
 
+    def q(self, buffer, xp):
+        """This matrix's ``cols x rank`` factor in a buffer laid out as the state's ``q``."""
+        return xp.reshape(buffer[self.q_offset : self.q_offset + self.cols * self.rank], (self.cols, self.rank))
+
 
 def _orthonormal(a, xp):
     """The columns of ``a`` made orthonormal, in order (modified Gram-Schmidt; zero columns stay zero)."""
@@ -59,6 +74,38 @@ def _orthonormal(a, xp):
         safe = xp.where(norm > 0, norm, xp.ones_like(norm))
         cols.append(xp.where(norm > 0, col / safe, xp.zeros_like(col)))
     return xp.stack(cols, axis=1)
+
+
+def _int32(c: int) -> int:
+    """``c`` modulo 2**32 as a signed 32-bit value: the same bits, a constant every namespace keeps int32."""
+    c &= 0xFFFFFFFF
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _mix(h):
+    """MurmurHash3's 32-bit finaliser on int32 arrays (wrapping products; shifts masked to be logical)."""
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * _int32(0x85EBCA6B)
+    h = h ^ ((h >> 13) & 0x7FFFF)
+    h = h * _int32(0xC2B2AE35)
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def _redraw(seed: int, step, numel: int, like, xp):
+    """``numel`` values uniform in [-1, 1) (multiples of 2**-23), a function of ``seed``, ``step`` and position only.
+
+    The direction of a ``Q`` column is all that matters, so uniform serves as well
+    as normal and needs no ``log``/``cos`` whose rounding differs between libraries.
+    """
+    device = array_api_compat.device(like)
+    key = _mix(xp.reshape(xp.astype(step, xp.int32), (1,)) * _int32(0x9E3779B9) + _int32(seed))  # 1-d: wraps silently
+    bits = _mix(xp.arange(numel, dtype=xp.int32, device=device) + key) & 0xFFFFFF
+    return xp.astype(xp.astype(bits, xp.float32) / 2.0**23 - 1.0, like.dtype)
+
+
+def _revive(q, fresh, xp):
+    """``q`` with each all-zero column replaced by that column of ``fresh`` (a dead warm start, see above)."""
+    return xp.where(xp.all(q == 0, axis=0), fresh, q)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,33 +163,73 @@ class PowerSGD(Algorithm):
             return comm.allreduce(g, ReduceOp.AVG), q, e
 
         def compress(carry):
-            g, q, e = carry
-            if self.use_error_feedback:
-                g = g + e
-            pieces = {}  # bucket offset -> reduced values
+            flat, q, e = carry
+
+            def fed(m):
+                """The matrix plus its error feedback as a new array: its result must not depend on where it sits
+                in the bucket (BLAS rounds differently at other alignments), so regrouped buckets (DDP's rebuild,
+                a resume through the comm hook) compute bitwise the same."""
+                end = m.offset + m.rows * m.cols
+                x = flat[m.offset : end] + e[m.offset : end] if self.use_error_feedback else xp.asarray(
+                    flat[m.offset : end], copy=True)
+                return xp.reshape(x, (m.rows, m.cols))
+
+            pieces, fed_back = {}, {}  # bucket offset -> reduced values, and -> the values reduced (g + e)
             if plain:
-                averaged = comm.allreduce(xp.concat([g[o : o + n] for o, n in plain]), ReduceOp.AVG)
+                g = xp.concat([flat[o : o + n] for o, n in plain])
+                if self.use_error_feedback:
+                    g = g + xp.concat([e[o : o + n] for o, n in plain])
+                averaged = comm.allreduce(g, ReduceOp.AVG)
                 start = 0
                 for o, n in plain:
-                    pieces[o] = averaged[start : start + n]
+                    pieces[o], fed_back[o] = averaged[start : start + n], g[start : start + n]
                     start += n
             if matrices:
-                ms = [xp.reshape(g[m.offset : m.offset + m.rows * m.cols], (m.rows, m.cols)) for m in matrices]
-                qs = [_orthonormal(xp.reshape(q[m.q_offset : m.q_offset + m.cols * m.rank], (m.cols, m.rank)),
-                                   xp) for m in matrices]
+                ms = [fed(m) for m in matrices]
+                fresh = _redraw(self.random_seed, state["step"], q.shape[0], q, xp)
+                qs = [_orthonormal(_revive(m.q(q, xp), m.q(fresh, xp), xp), xp) for m in matrices]
                 ps = self._exchange([xp.matmul(mat, qm) for mat, qm in zip(ms, qs)], comm, ReduceOp.SUM, xp)
                 ps = [_orthonormal(p, xp) for p in ps]
                 qs = self._exchange([xp.matmul(mat.T, p) for mat, p in zip(ms, ps)], comm, ReduceOp.AVG, xp)
-                for m, p, qm in zip(matrices, ps, qs):
+                for m, mat, p, qm in zip(matrices, ms, ps, qs):
                     pieces[m.offset] = xp.reshape(xp.matmul(p, qm.T), (-1,))
+                    fed_back[m.offset] = xp.reshape(mat, (-1,))
                 if self.warm_start:  # else the state keeps the first draw
                     q = xp.concat([xp.reshape(qm, (-1,)) for qm in qs])
-            out = xp.concat([pieces[o] for o in sorted(pieces)])
-            return out, q, (g - out if self.use_error_feedback else e)
+            offsets = sorted(pieces)
+            out = xp.concat([pieces[o] for o in offsets])
+            if self.use_error_feedback:
+                e = xp.concat([fed_back[o] - pieces[o] for o in offsets])
+            return out, q, e
 
         compressing = xp.astype(state["step"] >= self.start_powerSGD_iter, xp.int32)
         out, q, e = comm.switch(compressing, [allreduce, compress], (flat, state["q"], state["error"]))
         return out, {"step": state["step"] + 1, "q": q, "error": e}
+
+    def split_state(self, state, layout):
+        """Per tensor: the step, its ``Q`` (empty if not compressed) and its error feedback; all per matrix or
+        elementwise, so a tensor keeps them in any bucket."""
+        matrices, _ = self._plan(layout)
+        by_offset = {m.offset: m for m in matrices}
+        pieces = []
+        for slot in layout.slots:
+            m = by_offset.get(slot.offset) if slot.numel else None  # a zero-size slot may share the next offset
+            q = state["q"][m.q_offset : m.q_offset + m.cols * m.rank] if m else state["q"][:0]
+            error = state["error"][slot.offset : slot.offset + slot.numel]
+            pieces.append({"step": state["step"], "q": q, "error": error})
+        return pieces
+
+    def join_state(self, pieces, layout):
+        """Pieces back to back in slot order (the padding's error is zero); the step is the largest, so a tensor
+        new to the bucket follows the others (DDP reduces every bucket every step: they agree anyway)."""
+        xp = namespace(pieces[0]["error"])
+        first = pieces[0]["error"]
+        padding = xp.zeros(layout.padded_numel - layout.numel, dtype=first.dtype, device=array_api_compat.device(first))
+        step = pieces[0]["step"]
+        for piece in pieces[1:]:
+            step = xp.maximum(step, piece["step"])
+        return {"step": step, "q": xp.concat([p["q"] for p in pieces]),
+                "error": xp.concat([p["error"] for p in pieces] + [padding])}
 
     @staticmethod
     def _exchange(arrays: list, comm, op: ReduceOp, xp) -> list:

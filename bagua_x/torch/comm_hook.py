@@ -11,8 +11,18 @@ Why a state object plus a function, as torch's ``PowerSGDState`` /
 ``powerSGD_hook`` (and not a closure): it is the shape DDP and the tools
 around it expect (Lightning's ``DDPStrategy(ddp_comm_state=...,
 ddp_comm_hook=...)`` passes them through unchanged), and the state is where
-the per-bucket algorithm state lives, so it can be saved
+the algorithm state lives, so it can be saved
 (:meth:`CommHookState.algorithm_state_dict`) like any other part of a checkpoint.
+
+DDP decides the buckets: its first step runs on buckets in parameter order,
+then it regroups them once in gradient order, and a fresh DDP after a resume
+starts from the first grouping again.  So the state follows the tensors, not
+the bucket index: each parameter is known by its position in the first step's
+buckets (the same in every run of the same model), and when a bucket's
+tensors change, their states are cut out of the old buckets
+(``Algorithm.split_state``) and joined into the new one.  A checkpoint holds
+the state per parameter position and resumes bitwise, whichever grouping
+comes next.
 
 DDP calls the hook from backward, in bucket order, on every rank.  The hook
 only queues the bucket on one communication thread (FIFO, so collectives keep
@@ -23,7 +33,7 @@ for the futures at the end of backward.  The thread uses its own process group
 issues itself (buffer broadcasts, the unused-parameter map).
 
 Only gradient algorithms (``target`` GRAD, ``phase`` AFTER_BACKWARD: GradientAllReduce,
-ByteGrad) fit in a hook: weight and momentum algorithms act on parameters or
+ByteGrad, PowerSGD) fit in a hook: weight and momentum algorithms act on parameters or
 optimizer state after the step, which DDP never hands to a hook; use
 :func:`bagua_x.torch.wrap` for those.
 """
@@ -39,20 +49,12 @@ from ..algorithms.base import Algorithm, Phase, Target
 from ..core.bucket import BucketLayout
 from ..core.comm import Feature
 from ..core.errors import BaguaXError
-from .communicator import TorchCommunicator
 from .bucketed import run_reduce
+from .communicator import TorchCommunicator
 
 __all__ = ["CommHookState", "comm_hook"]
 
 log = logging.getLogger(__name__)
-
-
-def apply_algorithm(algorithm: Algorithm, flat: torch.Tensor, layout: BucketLayout, state: Optional[dict],
-                    comm: TorchCommunicator) -> dict:
-    """``flat <- algorithm.reduce(flat)`` in place, building the state first if ``state`` is None."""
-    if state is None:
-        state = algorithm.init(flat, layout, comm.size)
-    return run_reduce(algorithm, flat, layout, state, comm)
 
 
 def bucket_layout(bucket: dist.GradBucket, alignment: int) -> BucketLayout:
@@ -92,27 +94,39 @@ class CommHookState:
         self.algorithm = algorithm
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         self.comm = TorchCommunicator(dist.new_group(ranks, backend=dist.get_backend(process_group)))
-        #: DDP bucket index -> (padded length, algorithm state)
-        self.buckets: "dict[int, tuple[int, dict]]" = {}
+        #: DDP bucket index -> (its parameters' positions, its layout, its algorithm state)
+        self.buckets: "dict[int, tuple[tuple[int, ...], BucketLayout, dict]]" = {}
+        #: parameter position -> its state while in no bucket (loaded, or left behind by DDP's regrouping)
+        self._loose: "dict[int, dict]" = {}
+        self._positions: "dict[int, int]" = {}  # id(parameter) -> position, in the order the hook first sees them
+        self._parameters: "list[torch.Tensor]" = []  # kept alive, so no other tensor takes their ids
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bagua_x-comm-hook")
 
     def submit(self, bucket: dist.GradBucket) -> "torch.futures.Future[torch.Tensor]":
         """Queue ``bucket`` on the communication thread; the future gets its reduced buffer."""
         fut = torch.futures.Future()
         layout = bucket_layout(bucket, self.algorithm.alignment(self.comm.size))
-        self._thread.submit(self._reduce, bucket.index(), bucket.buffer(), layout, fut)
+        self._thread.submit(self._reduce, bucket.index(), self._keys(bucket), bucket.buffer(), layout, fut)
         return fut
 
-    def _reduce(self, index: int, buffer: torch.Tensor, layout: BucketLayout, fut: torch.futures.Future) -> None:
+    def _keys(self, bucket: dist.GradBucket) -> "tuple[int, ...]":
+        """The positions of the bucket's parameters.  DDP calls the hook in bucket order, so the first step
+        numbers its first grouping's parameters in order: the same numbers in every run of the model."""
+        keys = []
+        for p in bucket.parameters():
+            if id(p) not in self._positions:
+                self._positions[id(p)] = len(self._parameters)
+                self._parameters.append(p)
+            keys.append(self._positions[id(p)])
+        return tuple(keys)
+
+    def _reduce(self, index: int, keys: "tuple[int, ...]", buffer: torch.Tensor, layout: BucketLayout,
+                fut: torch.futures.Future) -> None:
         try:
             padded = layout.padded_numel - buffer.numel()
             flat = torch.cat([buffer, buffer.new_zeros(padded)]) if padded else buffer
-            numel, state = self.buckets.get(index, (flat.numel(), None))
-            if numel != flat.numel():  # DDP rebuilt its buckets (after its first step, in gradient order)
-                log.info("bagua_x comm hook: bucket %d changed size (%d -> %d elements); new algorithm state",
-                         index, numel, flat.numel())
-                state = None
-            self.buckets[index] = (flat.numel(), apply_algorithm(self.algorithm, flat, layout, state, self.comm))
+            state = self._state(index, keys, flat, layout)
+            self.buckets[index] = (keys, layout, run_reduce(self.algorithm, flat, layout, state, self.comm))
             if padded:
                 buffer.copy_(flat[:buffer.numel()])
             fut.set_result(buffer)
@@ -122,13 +136,49 @@ class CommHookState:
                 f"{type(e).__name__}: {e}"
             ))
 
+    def _state(self, index: int, keys: "tuple[int, ...]", flat: torch.Tensor, layout: BucketLayout) -> dict:
+        """The bucket's algorithm state: kept if it holds the same parameters as last time, else joined from its
+        parameters' states, wherever they are (a fresh state for a parameter that has none)."""
+        kept = self.buckets.get(index)
+        if kept is not None and kept[0] == keys:
+            return kept[2]
+        for i, (old_keys, old_layout, old_state) in list(self.buckets.items()):
+            if i == index or not set(old_keys).isdisjoint(keys):  # cut up: these parameters move
+                del self.buckets[i]
+                self._loose.update(zip(old_keys, self.algorithm.split_state(old_state, old_layout)))
+        if kept is not None:
+            log.info("bagua_x comm hook: DDP bucket %d now holds parameters %s; their states follow them", index,
+                     list(keys))
+        fresh = self.algorithm.split_state(self.algorithm.init(flat, layout, self.comm.size), layout)
+        pieces = []
+        for key, new in zip(keys, fresh):
+            piece = {k: _to(v, flat.device) for k, v in self._loose.pop(key, new).items()}
+            if _shapes(piece) != _shapes(new):
+                raise BaguaXError(
+                    f"the loaded state of parameter {key} has shapes {_shapes(piece)}, but this DDP model and "
+                    f"{type(self.algorithm).__name__}'s settings need {_shapes(new)}: the checkpoint was saved for "
+                    "another model or other settings; load it into the same ones, or do not load the hook state"
+                )
+            pieces.append(piece)
+        return self.algorithm.join_state(pieces, layout)
+
     def algorithm_state_dict(self) -> dict:
-        """Per-bucket algorithm state (copies), keyed by DDP bucket index: ``{"numel": n, "state": {...}}``."""
-        return {i: {"numel": n, "state": {k: _copy(v) for k, v in s.items()}} for i, (n, s) in self.buckets.items()}
+        """The algorithm state per parameter (copies), keyed by position: ``{"parameters": {position: {...}}}``."""
+        pieces = dict(self._loose)
+        for keys, layout, state in self.buckets.values():
+            pieces.update(zip(keys, self.algorithm.split_state(state, layout)))
+        return {"parameters": {k: {name: _copy(v) for name, v in piece.items()} for k, piece in sorted(pieces.items())}}
 
     def load_algorithm_state_dict(self, saved: dict) -> None:
-        self.buckets = {int(i): (int(b["numel"]), {k: _copy(v) for k, v in b["state"].items()})
-                        for i, b in saved.items()}
+        """Before the first step: each parameter's state, taken up when DDP first hands the hook its bucket."""
+        if "parameters" not in saved:
+            raise BaguaXError(
+                f"not a CommHookState.algorithm_state_dict() (keys {sorted(saved)}; per-bucket states of older "
+                "bagua_x versions cannot follow DDP's regrouping): save it again with this version, or do not load it"
+            )
+        self.buckets = {}
+        self._loose = {int(k): {name: _copy(v) for name, v in piece.items()}
+                       for k, piece in saved["parameters"].items()}
 
     def close(self) -> None:
         """Stop the communication thread (after the last backward)."""
@@ -146,3 +196,11 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
 def _copy(v):
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+def _to(v, device):
+    return v.to(device) if isinstance(v, torch.Tensor) else v
+
+
+def _shapes(piece: dict) -> dict:
+    return {k: tuple(v.shape) for k, v in piece.items()}

@@ -180,9 +180,27 @@ def low_precision_hierarchical(xs, local, node_states, step, interval):
 # -- PowerSGD ----------------------------------------------------------------------------------------
 
 def _orthonormal(a):
-    """Orthonormal columns spanning ``a``'s, as Gram-Schmidt gives them: QR with a positive R diagonal."""
+    """Orthonormal columns spanning ``a``'s, as Gram-Schmidt gives them: QR with a positive R diagonal, and a
+    zero column where ``a``'s column adds nothing to the ones before it (all zero, or a multiple of them)."""
     q, r = np.linalg.qr(a)
-    return q * np.where(np.diag(r) < 0, -1.0, 1.0)
+    d = np.diag(r)
+    return np.where(np.abs(d) <= 1e-10 * np.abs(r).max(), 0.0, q * np.where(d < 0, -1.0, 1.0))
+
+
+def _powersgd_redraw(seed, step, numel):
+    """The values that replace an all-zero column of the warm-started Q at ``step`` (docs/architecture.md):
+    MurmurHash3's 32-bit finaliser of ``mix(step * 0x9E3779B9 + seed) + position``, low 24 bits scaled to [-1, 1);
+    position counts through every compressed matrix's Q (cols x rank, row-major) in bucket order."""
+    def mix(h):
+        h = h ^ (h >> np.uint32(16))
+        h = h * np.uint32(0x85EBCA6B)
+        h = h ^ (h >> np.uint32(13))
+        h = h * np.uint32(0xC2B2AE35)
+        return h ^ (h >> np.uint32(16))
+
+    key = mix(np.array([step], np.uint32) * np.uint32(0x9E3779B9) + np.uint32(seed & 0xFFFFFFFF))
+    bits = mix(np.arange(numel, dtype=np.uint32) + key) & np.uint32(0xFFFFFF)
+    return bits / 2.0**23 - 1.0
 
 
 def powersgd(steps, shapes, rank=1, start=0, min_rate=2.0, error_feedback=True, warm_start=True, seed=0):
@@ -199,6 +217,10 @@ def powersgd(steps, shapes, rank=1, start=0, min_rate=2.0, error_feedback=True, 
         offset += numel
     rng = np.random.default_rng(seed)
     initial = {t[0]: rng.standard_normal(t[3] * t[4]).reshape(t[3], t[4]) for t in tensors if t[4]}
+    q_offsets, q_numel = {}, 0  # where each matrix's Q sits in the concatenation of all (for the redraw)
+    for off, _, _, cols, r in tensors:
+        q_offsets[off] = q_numel
+        q_numel += cols * r
     qs = dict(initial)
     errors = [np.zeros(len(steps[0][0])) for _ in range(n_ranks)]
     outs = []
@@ -213,7 +235,9 @@ def powersgd(steps, shapes, rank=1, start=0, min_rate=2.0, error_feedback=True, 
             if not r:
                 continue
             ms = [g[off : off + numel].reshape(rows, cols) for g in gs]
-            q = _orthonormal(qs[off] if warm_start else initial[off])
+            q = qs[off] if warm_start else initial[off]
+            fresh = _powersgd_redraw(seed, t, q_numel)[q_offsets[off] : q_offsets[off] + cols * r].reshape(cols, r)
+            q = _orthonormal(np.where((q == 0).all(axis=0), fresh, q))  # a zero column is drawn again
             p = _orthonormal(sum(m @ q for m in ms))
             q = np.mean([m.T @ p for m in ms], axis=0)
             out[off : off + numel] = (p @ q.T).reshape(-1)

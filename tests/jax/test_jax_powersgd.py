@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from algorithms import reference as ref
 from bagua_x.algorithms import PowerSGD
@@ -15,11 +16,16 @@ N = 4
 SHAPES = [(16, 12), (12,), (5, 4, 3), (3, 3)]
 
 
-def test_matches_the_reference_under_pmap():
+@pytest.mark.parametrize("zero_step", [None, 1], ids=["random", "zero-at-first-compressed-step"])
+def test_matches_the_reference_under_pmap(zero_step):
+    """With all gradients zero at the first compressed step, Q = 0 and the redraw of its zero columns (a
+    hash of the traced step counter, a ``where`` on a column mask) must run inside the one traced program."""
     layout = BucketLayout([f"t{i}" for i in range(len(SHAPES))], SHAPES, "float32")
     alg = PowerSGD(start_powerSGD_iter=1, matrix_approximation_rank=2)
     steps = [[np.random.default_rng(10 * t + r).standard_normal(layout.numel).astype(np.float32) for r in range(N)]
              for t in range(5)]
+    if zero_step is not None:
+        steps[zero_step] = [np.zeros(layout.numel, np.float32)] * N
     traces = []
 
     def reduce(x, st):
@@ -36,6 +42,7 @@ def test_matches_the_reference_under_pmap():
             np.testing.assert_allclose(np.asarray(out[r]), want[t][r], rtol=0, atol=1e-5, err_msg=f"step {t}")
     assert len(traces) == 1, "one trace: the warm-up and compressed steps are one program (lax.switch)"
     assert np.abs(np.asarray(out[0]) - np.mean(steps[-1], axis=0)).max() > 0.1, "not compressed?"
+    assert np.abs(np.asarray(out[0])[:192]).max() > 0.1, "the 16 x 12 matrix switched off"
 
 
 def test_trains_through_wrap_like_plain_averaging():

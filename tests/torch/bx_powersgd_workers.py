@@ -16,8 +16,9 @@ def _init():
     return dist.get_rank(), dist.get_world_size()
 
 
-def reduce_steps(shapes, steps, settings):
-    """``PowerSGD(**settings).reduce`` on a bucket of ``shapes`` for ``steps`` steps: every step's input and output."""
+def reduce_steps(shapes, steps, settings, zero_step=None):
+    """``PowerSGD(**settings).reduce`` on a bucket of ``shapes`` for ``steps`` steps: every step's input and output
+    (all zero at ``zero_step``)."""
     import torch
 
     from bagua_x.algorithms import PowerSGD
@@ -28,6 +29,8 @@ def reduce_steps(shapes, steps, settings):
     layout = BucketLayout([f"t{i}" for i in range(len(shapes))], shapes, "float32")
     alg, comm = PowerSGD(**settings), TorchCommunicator()
     ins = [np.random.default_rng(100 * t + rank).standard_normal(layout.numel).astype(np.float32) for t in range(steps)]
+    if zero_step is not None:
+        ins[zero_step][:] = 0
     state = alg.init(torch.from_numpy(ins[0]), layout, size)
     outs = []
     for x in ins:
@@ -124,3 +127,95 @@ def train_vs_hook(steps=150, rank_r=2, start=10):
     return {"hook_losses": hook_losses, "bagua_losses": bagua_losses, "hook_elements": hook_elements[start + 1:],
             "bagua_elements": bagua_elements[start + 1:], "wire_bytes": wire,
             "params": sum(p.numel() for p in wrapped.module.parameters())}
+
+
+def hook_resume(k=4, m=4, start=2, cap_mb=0.005):
+    """PowerSGD through the DDP comm hook on several DDP buckets: train ``k`` steps, save model, optimizer and
+    hook state, train ``m`` more; then load the save into a fresh DDP + hook and train the same ``m`` steps.
+
+    Returns the parameters after each of the ``m`` steps of both runs, the DDP bucket indices the resumed
+    run's hook had seen after each step, and the saved per-parameter steps and largest error feedback.
+    """
+    import io
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bagua_x.torch as bxt
+    from bagua_x.algorithms import PowerSGD
+
+    rank, _ = _init()
+    g = torch.Generator().manual_seed(5 + rank)
+    batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(k + m)]
+
+    def build(saved=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40),
+                                    torch.nn.ReLU(), torch.nn.Linear(40, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        state = bxt.CommHookState(PowerSGD(start_powerSGD_iter=start))
+        if saved is not None:
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+            state.load_algorithm_state_dict(saved["hook"])
+        ddp = DDP(model, bucket_cap_mb=cap_mb)
+        ddp.register_comm_hook(state, bxt.comm_hook)
+        return ddp, opt, state
+
+    def train(ddp, opt, state, steps, seen=None):
+        params = []
+        for x, y in steps:
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            params.append([p.detach().numpy().copy() for p in ddp.parameters()])
+            if seen is not None:
+                seen.append(sorted(state.buckets))
+        return params
+
+    ddp, opt, state = build()
+    train(ddp, opt, state, batches[:k])
+    buf = io.BytesIO()
+    hook_state = state.algorithm_state_dict()
+    torch.save({"model": ddp.module.state_dict(), "optimizer": opt.state_dict(), "hook": hook_state}, buf)
+    continued = train(ddp, opt, state, batches[k:])
+    state.close()
+    buf.seek(0)
+    ddp, opt, state = build(torch.load(buf, weights_only=True))
+    seen = []
+    resumed = train(ddp, opt, state, batches[k:], seen)
+    state.close()
+    pieces = hook_state["parameters"]
+    return {"continued": continued, "resumed": resumed, "seen": seen, "saved": sorted(pieces),
+            "saved_steps": sorted({int(p["step"]) for p in pieces.values()}),
+            "saved_error": max(float(p["error"].abs().max()) for p in pieces.values())}
+
+
+def hook_refuses_foreign_state():
+    """A hook state saved for one model loaded for another: the error says so, on every rank, from backward;
+    a dict that is no hook state is refused at load."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bagua_x.torch as bxt
+    from bagua_x.algorithms import PowerSGD
+    from bagua_x.core import BaguaXError
+
+    _init()
+    messages = []
+    state = bxt.CommHookState(PowerSGD(start_powerSGD_iter=0))
+    try:
+        state.load_algorithm_state_dict({0: {"numel": 3, "state": {}}})
+    except BaguaXError as e:
+        messages.append(str(e))
+    piece = {"step": torch.zeros((), dtype=torch.int32), "q": torch.zeros(7), "error": torch.zeros(70)}
+    state.load_algorithm_state_dict({"parameters": {0: piece}})  # a 7 x 10 matrix's; this one is 8 x 10
+    ddp = DDP(torch.nn.Linear(10, 8, bias=False))
+    ddp.register_comm_hook(state, bxt.comm_hook)
+    try:
+        ddp(torch.randn(2, 10)).sum().backward()
+    except RuntimeError as e:
+        messages.append(str(e))
+    state.close()
+    return messages

@@ -52,6 +52,29 @@ def test_powersgd_hook_equals_wrap_and_sends_the_factors():
                                                                 ("allreduce", "float32", 10)] * 3, r["calls"]
 
 
+def test_powersgd_resumes_bitwise_through_the_hook():
+    """Train 4 steps (compressed from step 2, error feedback live), save model, optimizer and hook state, train
+    4 more; against loading the save into a fresh DDP + hook for the same 4 steps.  The fresh DDP runs its first
+    step on one bucket in parameter order and then regroups into two in gradient order, so the state must follow
+    each parameter, and each matrix must compute the same wherever it sits in a bucket."""
+    out = run_workers("bx_powersgd_workers:hook_resume", nproc=2, args=(4, 4, 2), timeout=120, env=ENV)
+    for r in out:
+        assert r["seen"] == [[0], [0, 1], [0, 1], [0, 1]]  # one bucket, then DDP's regrouping into two
+        assert r["saved"] == list(range(6)) and r["saved_steps"] == [4]  # every parameter, 4 steps each
+        assert r["saved_error"] > 1e-3  # error feedback to carry over
+        _assert_same_steps(r["resumed"], r["continued"])  # bitwise
+    _assert_same_steps(out[0]["resumed"], out[1]["resumed"])
+
+
+def test_hook_refuses_a_state_saved_for_another_model():
+    for load, backward in run_workers("bx_powersgd_workers:hook_refuses_foreign_state", nproc=2, timeout=60, env=ENV):
+        assert "not a CommHookState.algorithm_state_dict() (keys [0]" in load
+        assert "do not load it" in load
+        assert ("the loaded state of parameter 0 has shapes {'step': (), 'q': (7,), 'error': (70,)}, but this DDP "
+                "model and PowerSGD's settings need {'step': (), 'q': (10,), 'error': (80,)}") in backward
+        assert "load it into the same ones, or do not load the hook state" in backward
+
+
 def test_hook_on_many_buckets_equals_ddp():
     out = run_workers("bx_ecosystem_workers:hook_many_buckets", nproc=2, timeout=120, env=ENV)
     for r in out:
