@@ -99,6 +99,7 @@ def _redraw(seed: int, step, numel: int, like, xp):
     """
     device = array_api_compat.device(like)
     key = _mix(xp.reshape(xp.astype(step, xp.int32), (1,)) * _int32(0x9E3779B9) + _int32(seed))  # 1-d: wraps silently
+    key = xp.asarray(key, device=device)  # the step counter lives on the host (base.counter), Q on the bucket's device
     bits = _mix(xp.arange(numel, dtype=xp.int32, device=device) + key) & 0xFFFFFF
     return xp.astype(xp.astype(bits, xp.float32) / 2.0**23 - 1.0, like.dtype)
 
