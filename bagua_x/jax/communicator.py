@@ -8,7 +8,9 @@ algorithms in :mod:`bagua_x.algorithms` run on it unchanged, on traced arrays.
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import os
 from typing import Any, Callable, Hashable, Optional, Sequence
 
@@ -117,12 +119,31 @@ class AxisCommunicator:
         return lax.all_to_all(x, self.axis_name, split_axis=0, concat_axis=0, axis_index_groups=self._groups)
 
     def reduce_scatter(self, x, op: ReduceOp = ReduceOp.SUM):
+        """Row ``rank`` of ``x`` summed (or averaged) over the ranks.
+
+        On CPU an alltoall and a sum in rank order, because gloo's
+        reduce-scatter, which XLA:CPU runs ``lax.psum_scatter`` on across
+        processes, intermittently returns wrong values for multi-MB chunks
+        (jax-ml/jax#40830: 1 of 16 identical 2x2 ByteGrad calls here), with no
+        error.  The alltoall moves the same bytes.  Elsewhere (GPU: NCCL)
+        XLA's reduce-scatter is right and faster, so it stays; the branch is
+        chosen when the step is compiled, by the platform it is compiled for.
+        With two ranks per group both give the same bits (a sum of two is
+        one addition either way).
+        """
         self._check_rows(x, "reduce_scatter")
         if op not in (ReduceOp.SUM, ReduceOp.AVG):
             # XLA has no min/max reduce-scatter: reduce everything, keep our row.
             return self.allreduce(x, op)[self.rank]
-        out = lax.psum_scatter(x, self.axis_name, scatter_dimension=0, axis_index_groups=self._groups, tiled=False)
+        out = lax.platform_dependent(x, cpu=self._alltoall_sum, default=self._psum_scatter)
         return out / self.size if op is ReduceOp.AVG else out
+
+    def _alltoall_sum(self, x):
+        rows = self.alltoall(x)  # row i: rank i's row for this rank
+        return functools.reduce(operator.add, (rows[i] for i in range(self.size)))
+
+    def _psum_scatter(self, x):
+        return lax.psum_scatter(x, self.axis_name, scatter_dimension=0, axis_index_groups=self._groups, tiled=False)
 
     def broadcast(self, x, root: int = 0):
         """``root``'s ``x``: a masked psum (exact: the other ranks add zeros, never their NaNs)."""
