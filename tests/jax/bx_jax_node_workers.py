@@ -20,7 +20,7 @@ import numpy as np
 from bx_jax_workers import _host_local
 
 LOCAL = 2  # processes (devices) per node
-SIZES = (2_400_000, 720_000)  # two buckets (multiples of 4: ByteGrad's alignment)
+SIZES = (4_000_000, 1_200_000)  # two buckets (multiples of 4: ByteGrad's alignment)
 LR = 0.01
 
 
