@@ -23,10 +23,11 @@ import numpy as np
 
 from ..algorithms import Algorithm, GradientAllReduce, Phase, Target
 from ..core.bucket import BucketLayout, plan_buckets
+from ..core.comm import Feature
 from ..core.errors import BaguaXError
 from ..core.validation import describe
 from .checks import FiniteCheck, check_leaf_dtype, check_registrable
-from .communicator import AxisCommunicator, axis_size
+from .communicator import AxisCommunicator, axis_size, default_local_size
 from .distributed import check_same_across_processes, heartbeat_timeout
 from .placement import replicate as _replicate
 from .placement import unreplicate as _unreplicate
@@ -114,7 +115,7 @@ class DataParallel:
                 {**self.algorithm.hyperparameters(), "axis_name": repr(axis_name), "bucket_cap_mb": bucket_cap_mb,
                  "world_size": self.world_size, "timeout": timeout, "first_step_timeout": first_step_timeout,
                  "check_finite": bool(check_finite),
-                 "devices_per_node": devices_per_node},
+                 "devices_per_node": devices_per_node or default_local_size()},  # the node layout
             ),
             "bagua_x.jax.wrap: the params trees or settings differ across processes",
         )
@@ -363,6 +364,13 @@ class DataParallel:
         The result replaces the first tree's registered leaves; other leaves pass through.
         """
         comm = AxisCommunicator(self.axis_name, self.devices_per_node)
+        if Feature.HIERARCHICAL in self.algorithm.requires and comm.node_problem():
+            # raised while tracing, before any collective, on every process alike: they trace one program
+            # with settings wrap checked to be the same everywhere
+            raise BaguaXError(
+                f"{where}: {self.algorithm!r} asks for hierarchical=True, but {comm.node_problem()}; or pass "
+                "hierarchical=None (two levels where there are node groups, else flat) or hierarchical=False"
+            )
         leaves = [self._leaves(t, where, floats=True) for t in trees]
         if not isinstance(state, (tuple, list)) or len(state) != len(self.buckets):
             raise BaguaXError(
@@ -415,8 +423,11 @@ def wrap(
     In a multi-process run, every process must call ``wrap`` with the same tree.
     ``devices_per_node`` (default: this process's devices times torchrun's
     ``LOCAL_WORLD_SIZE``) groups the axis into nodes for the hierarchical
-    algorithms, which run in two levels under ``pmap`` with >= 2 nodes (flat
-    under ``shard_map``: JAX has no grouped collectives there).
+    algorithms, which run in two levels under ``pmap`` with >= 2 nodes.  Where
+    there are no node groups (``shard_map``: JAX has no grouped collectives
+    there; a ``devices_per_node`` that does not divide the axis) the default
+    ``hierarchical=None`` runs flat and ``hierarchical=True`` is refused with a
+    BaguaXError when the step is traced.
 
     Faults (both off by default; see :meth:`DataParallel.step`): ``timeout``
     (seconds) ends the process with a report when a step run through

@@ -90,7 +90,8 @@ def sleepy_worker(timeout: float, first_step_timeout: float | None, first: float
     import bagua_x.jax as bxj
 
     _log_with_times()
-    dp = bxj.wrap(tiny_params(), timeout=timeout, first_step_timeout=first_step_timeout)
+    limits = {} if first_step_timeout is None else {"first_step_timeout": first_step_timeout}
+    dp = bxj.wrap(tiny_params(), timeout=timeout, **limits)
     dp.step(lambda: time.sleep(first))()
     print(f"FIRST STEP DONE {time.time():.3f}", flush=True)
     dp.step(lambda: time.sleep(600))()

@@ -115,6 +115,36 @@ def _program(case: Case, layouts, n):
     return jax.pmap(body, axis_name="batch")
 
 
+def refusals() -> dict:
+    """What ``reduce_gradients`` with ``ByteGrad(hierarchical=True)`` raises where the axis has no node groups:
+    under shard_map, and under pmap with nodes of 3 devices on an axis of 4 (traced only: no collective runs)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from bagua_x.algorithms import ByteGrad
+    from bagua_x.core import BaguaXError
+    from bagua_x.jax import wrap
+
+    params = {"w": np.zeros(8, np.float32)}
+    n = jax.device_count()
+    attempts = {
+        "shard_map": (2, lambda dp: jax.jit(jax.shard_map(lambda g: dp.reduce_gradients(g, dp.init_state())[0],
+                                                          mesh=jax.make_mesh((n,), ("batch",)), in_specs=P(),
+                                                          out_specs=P())).trace(params)),
+        "pmap": (3, lambda dp: jax.make_jaxpr(jax.pmap(lambda g: dp.reduce_gradients(g, dp.init_state())[0],
+                                                       axis_name="batch", axis_size=n))(
+            {"w": np.zeros((n, 8), np.float32)})),
+    }
+    out = {}
+    for where, (per_node, trace) in attempts.items():
+        try:
+            trace(wrap(params, algorithm=ByteGrad(hierarchical=True), devices_per_node=per_node))
+            out[where] = "no error"
+        except BaguaXError as e:
+            out[where] = str(e)
+    return out
+
+
 def hierarchical_worker(names: list, calls: int) -> dict:
     """For each algorithm in ``names``: per call, per bucket, ``(max error, elements off by more than 1e-6,
     max error in quantisation steps or None, sha1 of the bytes)`` of this process's result."""
@@ -150,6 +180,7 @@ def hierarchical_worker(names: list, calls: int) -> dict:
                                 hashlib.sha1(got.tobytes()).hexdigest()))
                 per_call.append(row)
             results[name] = per_call
+        results["refusals"] = refusals()
     finally:
         jax.distributed.shutdown()
     return results

@@ -51,3 +51,11 @@ def test_every_call_matches_the_reference(runs, name):
     for rank, results in enumerate(runs):  # identical calls give identical bytes
         for bucket in range(2):
             assert len({row[bucket][3] for row in results[name]}) == 1, (name, rank, bucket)
+
+
+def test_hierarchical_true_is_refused_alike_on_every_process(runs):
+    """Where there are no node groups (shard_map; nodes of 3 on 4 devices) every process raises the same error
+    while tracing, so none is left waiting in a collective (the messages: test_jax_hierarchical.py)."""
+    got = [r["refusals"] for r in runs]
+    assert all(g == got[0] for g in got), got
+    assert "shard_map axis" in got[0]["shard_map"] and "do not split into nodes of 3" in got[0]["pmap"], got[0]
