@@ -13,10 +13,11 @@ around the call of the step (:meth:`DataParallel.step`):
   publisher thread makes it, coalescing steps: the training thread only
   stores a number and notifies;
 * a thread checks, once per poll interval and without any remote call, how
-  long the current step has been running; only when that exceeds
-  ``timeout`` does it read the other processes' keys, write a report (which
-  step, which processes never arrived, the last step each one entered) to the
-  log and stderr, and end the process with :data:`EXIT_STATUS` through
+  long the current step has been running; only when that exceeds its limit
+  (``timeout``; the first step's below) does it read the other processes'
+  keys, write a report (which step, which processes never arrived, the last
+  step each one entered) to the log and stderr, and end the process with
+  :data:`EXIT_STATUS` through
   ``os._exit`` (the stuck thread cannot be interrupted), so that an elastic
   launcher (``torchrun --max-restarts``) restarts the job from its checkpoint.
 

@@ -258,8 +258,10 @@ class DataParallel:
         results say that it has -- which a ``with`` block around the call could
         not wait for, hence a decorator.  With ``wrap(timeout=...)`` a watchdog
         (:mod:`.watchdog`) ends the process with a report when a step takes
-        longer; a step that fails (e.g. a peer's connection closed) raises a
-        BaguaXError naming the step and the processes that never arrived;
+        longer (the first, compiling step: ``first_step_timeout``); a step whose
+        program fails (e.g. a peer's connection closed) raises a BaguaXError
+        naming the step and the processes that never arrived; any other
+        exception, Ctrl-C included, ends the step and reaches the caller unchanged;
         with ``check_finite=True`` a non-finite reduction raises its BaguaXError
         (instead of JAX's ``JaxRuntimeError`` around it).  Without either it
         returns ``fn`` unchanged.
