@@ -1,4 +1,4 @@
-"""Workers of test_jax_nodes.py: 2 nodes x 2 processes, one CPU device each, jax.distributed with gloo.
+"""Workers of test_jax_hierarchical_processes.py: 2 nodes x 2 processes, one CPU device each, jax.distributed with gloo.
 
 Every hierarchical algorithm reduces the same inputs from the same state
 ``calls`` times over two multi-MB buckets; each process compares every call's
@@ -39,10 +39,10 @@ def chunk_steps(x: np.ndarray, chunks: int) -> np.ndarray:
 
 @dataclasses.dataclass
 class Case:
-    """One algorithm's call: ``args[rank][bucket]`` in, ``want(bucket)`` (every rank's result) out."""
+    """One algorithm's call on both buckets: ``args`` in, ``want(bucket)`` (every rank's result) out."""
 
     algorithm: Any
-    args: list  # per rank: a tuple of per-bucket arrays for each argument of ``call``
+    args: list  # per rank: a tuple with one per-bucket list of arrays for each argument of ``call``
     start: list  # per rank, per bucket: what init sees
     want: Callable[[int], list]
     # (bucket, rank, that rank's wanted result) -> each element's quantisation step, for compressing algorithms
@@ -91,7 +91,7 @@ def cases(n: int) -> dict[str, Case]:
     return out
 
 
-def _program(case: Case, layouts, n):
+def _program(case: Case, layouts):
     """The pmapped call on both buckets: ``(args per bucket, states per bucket) -> results per bucket``."""
     import jax
 
@@ -164,7 +164,7 @@ def hierarchical_worker(names: list, calls: int) -> dict:
             mine = [tuple(a[None] for a in arg) for arg in zip(*case.args[rank])]  # per bucket: its arguments
             states = [case.algorithm.init(x, lay, n) for x, lay in zip(case.start[rank], layouts)]
             states = jax.tree.map(lambda a: np.asarray(a)[None], states)  # numpy: the same state every call
-            program = _program(case, layouts, n)
+            program = _program(case, layouts)
             wants = [case.want(b)[rank] for b in range(len(SIZES))]
             steps = [None if case.steps is None else case.steps(b, rank, want) for b, want in enumerate(wants)]
             per_call = []
