@@ -129,13 +129,14 @@ class AxisCommunicator:
 
         On CPU an alltoall and a sum in rank order, because gloo's
         reduce-scatter, which XLA:CPU runs ``lax.psum_scatter`` on across
-        processes, intermittently returns wrong values for multi-MB chunks
-        (jax-ml/jax#40830; here, 2 nodes x 2 processes with buckets of 6.5M and
-        1.9M elements: 2 of 32 identical calls), with no error.  The alltoall moves the same bytes.  Elsewhere (GPU: NCCL)
-        XLA's reduce-scatter is right and faster, so it stays; the branch is
-        chosen when the step is compiled, by the platform it is compiled for.
-        With two ranks per group both give the same bits (a sum of two is
-        one addition either way).
+        processes, intermittently returns wrong values for multi-MB chunks,
+        with no error (jax-ml/jax#40830; here, 2 nodes x 2 processes with
+        buckets of 6.5M and 1.9M elements: 2 of 32 identical calls).  The
+        alltoall moves the same bytes.  Elsewhere (GPU: NCCL) XLA's
+        reduce-scatter is right and faster, so it stays; the branch is chosen
+        when the step is compiled, by the platform it is compiled for.  With
+        two ranks per group both give the same bits (a sum of two is one
+        addition either way).
         """
         self._check_rows(x, "reduce_scatter")
         if op not in (ReduceOp.SUM, ReduceOp.AVG):
