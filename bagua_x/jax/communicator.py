@@ -8,7 +8,9 @@ algorithms in :mod:`bagua_x.algorithms` run on it unchanged, on traced arrays.
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import os
 from typing import Any, Callable, Hashable, Optional, Sequence
 
@@ -19,7 +21,7 @@ from jax import lax
 from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
 
-__all__ = ["AxisCommunicator", "axis_size"]
+__all__ = ["AxisCommunicator", "axis_size", "default_local_size"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,12 @@ try:  # not yet exported by jax.lax (0.10); plain all_gather is the same collect
     from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
 except ImportError:  # pragma: no cover - depends on the jax version
     _all_gather_invariant = lax.all_gather
+
+
+def default_local_size() -> int:
+    """Devices per node unless told: this process's devices times the processes per node (torchrun's
+    LOCAL_WORLD_SIZE; 1 when unset, JAX's usual one process per host)."""
+    return jax.local_device_count() * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def axis_size(axis_name: Hashable) -> int:
@@ -45,22 +53,22 @@ class AxisCommunicator:
     """Collectives over the devices of a named mapped axis (one rank per device).
 
     ``local_size``: devices per node, nodes being consecutive blocks of axis
-    indices (default: ``jax.local_device_count()`` times ``LOCAL_WORLD_SIZE``,
-    the processes per node as torchrun sets it; 1 when unset, JAX's usual one
-    process per host).  With >= 2 nodes under ``pmap`` it offers
-    ``Feature.HIERARCHICAL``: ``within`` and ``across`` are the same collectives
-    on groups of the axis (``axis_index_groups``).  Under ``shard_map`` JAX has
-    no grouped collectives, so it offers none and hierarchical algorithms run
-    flat there (logged once per trace).
+    indices (default: :func:`default_local_size`, at most the axis).  With
+    >= 2 nodes under ``pmap`` it offers ``Feature.HIERARCHICAL``: ``within``
+    and ``across`` are the same collectives on groups of the axis
+    (``axis_index_groups``).  Under ``shard_map`` JAX has no grouped
+    collectives, so it offers none, and neither does an axis that does not
+    split into nodes of ``local_size``: :meth:`node_problem` says why, and a
+    frontend refuses an algorithm that requires the feature.
     """
 
     def __init__(self, axis_name: Hashable = "batch", local_size: Optional[int] = None):
         self.axis_name = axis_name
         self._size = axis_size(axis_name)
-        per_node = jax.local_device_count() * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        self.local_size = int(local_size or min(per_node, self._size))
+        self.local_size = int(local_size or min(default_local_size(), self._size))
         self._groups: Optional[list[list[int]]] = None  # None: the whole axis
         self._features: Optional[frozenset[Feature]] = None
+        self._problem: Optional[str] = None
 
     def __repr__(self) -> str:
         return f"AxisCommunicator({self.axis_name!r}, size={self.size})"
@@ -117,12 +125,32 @@ class AxisCommunicator:
         return lax.all_to_all(x, self.axis_name, split_axis=0, concat_axis=0, axis_index_groups=self._groups)
 
     def reduce_scatter(self, x, op: ReduceOp = ReduceOp.SUM):
+        """Row ``rank`` of ``x`` summed (or averaged) over the ranks.
+
+        On CPU an alltoall and a sum in rank order, because gloo's
+        reduce-scatter, which XLA:CPU runs ``lax.psum_scatter`` on across
+        processes, intermittently returns wrong values for multi-MB chunks,
+        with no error (jax-ml/jax#40830; here, 2 nodes x 2 processes with
+        buckets of 6.5M and 1.9M elements: 2 of 32 identical calls).  The
+        alltoall moves the same bytes.  Elsewhere (GPU: NCCL) XLA's
+        reduce-scatter is right and faster, so it stays; the branch is chosen
+        when the step is compiled, by the platform it is compiled for.  With
+        two ranks per group both give the same bits (a sum of two is one
+        addition either way).
+        """
         self._check_rows(x, "reduce_scatter")
         if op not in (ReduceOp.SUM, ReduceOp.AVG):
             # XLA has no min/max reduce-scatter: reduce everything, keep our row.
             return self.allreduce(x, op)[self.rank]
-        out = lax.psum_scatter(x, self.axis_name, scatter_dimension=0, axis_index_groups=self._groups, tiled=False)
+        out = lax.platform_dependent(x, cpu=self._alltoall_sum, default=self._psum_scatter)
         return out / self.size if op is ReduceOp.AVG else out
+
+    def _alltoall_sum(self, x):
+        rows = self.alltoall(x)  # row i: rank i's row for this rank
+        return functools.reduce(operator.add, (rows[i] for i in range(self.size)))
+
+    def _psum_scatter(self, x):
+        return lax.psum_scatter(x, self.axis_name, scatter_dimension=0, axis_index_groups=self._groups, tiled=False)
 
     def broadcast(self, x, root: int = 0):
         """``root``'s ``x``: a masked psum (exact: the other ranks add zeros, never their NaNs)."""
@@ -143,17 +171,29 @@ class AxisCommunicator:
             return branches[index](operand)
         return lax.switch(index, list(branches), operand)
 
+    def node_problem(self) -> Optional[str]:
+        """Why this axis has no node groups to offer, or None (it has them, or it is one node: nothing to group)."""
+        self.features  # noqa: B018 - computes it
+        return self._problem
+
     def _node_features(self) -> frozenset[Feature]:
         local = self.local_size
-        if local < 1 or self._size % local or self._size // local < 2:
+        if local < 1 or self._size % local:
+            self._problem = (f"axis {self.axis_name!r} has {self._size} devices, which do not split into nodes of "
+                             f"{local} (wrap(devices_per_node=...), default jax.local_device_count() x "
+                             "LOCAL_WORLD_SIZE); pass a devices_per_node that divides the axis")
+        elif self._size // local < 2:
             return frozenset()
-        try:  # traced and dropped as unused; shard_map raises here
-            lax.psum(jnp.zeros((), jnp.int32), self.axis_name, axis_index_groups=[[i] for i in range(self._size)])
-        except NotImplementedError:
-            log.info("bagua_x: axis %r has no grouped collectives (shard_map): hierarchical algorithms run flat",
-                     self.axis_name)
-            return frozenset()
-        return frozenset({Feature.HIERARCHICAL})
+        else:
+            try:  # traced and dropped as unused; shard_map raises here
+                lax.psum(jnp.zeros((), jnp.int32), self.axis_name,
+                         axis_index_groups=[[i] for i in range(self._size)])
+                return frozenset({Feature.HIERARCHICAL})
+            except NotImplementedError:
+                self._problem = (f"axis {self.axis_name!r} is a shard_map axis, and JAX has no grouped collectives "
+                                 "(axis_index_groups) under shard_map; run the step under jax.pmap for node groups")
+        log.info("bagua_x: hierarchical algorithms run flat: %s", self._problem)
+        return frozenset()
 
     def _need_nodes(self) -> None:
         if Feature.HIERARCHICAL not in self.features:
@@ -181,6 +221,7 @@ class _Group(AxisCommunicator):
         self._position = position
         self.local_size = len(groups[0])
         self._features = frozenset()
+        self._problem = None
 
     def __repr__(self) -> str:
         return f"AxisCommunicator({self.axis_name!r}, groups={self._groups})"

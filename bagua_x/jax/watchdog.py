@@ -13,18 +13,30 @@ around the call of the step (:meth:`DataParallel.step`):
   publisher thread makes it, coalescing steps: the training thread only
   stores a number and notifies;
 * a thread checks, once per poll interval and without any remote call, how
-  long the current step has been running; only when that exceeds
-  ``timeout`` does it read the other processes' keys, write a report (which
-  step, which processes never arrived, the last step each one entered) to the
-  log and stderr, and end the process with :data:`EXIT_STATUS` through
+  long the current step has been running; only when that exceeds its limit
+  (``timeout``; the first step's below) does it read the other processes'
+  keys, write a report (which step, which processes never arrived, the last
+  step each one entered) to the log and stderr, and end the process with
+  :data:`EXIT_STATUS` through
   ``os._exit`` (the stuck thread cannot be interrupted), so that an elastic
   launcher (``torchrun --max-restarts``) restarts the job from its checkpoint.
 
-A step that fails instead of hanging (gloo reports a closed connection when
-the peer's socket closes) raises a BaguaXError with the same facts; the
-watchdog stays armed after it, because a process that then exits normally
-still waits in JAX's shutdown barrier for the dead process (until JAX's
-heartbeat timeout): it ends the process ``timeout`` seconds after the step began.
+Only a step that is still running is reported.  A step that raises -- the
+user's exception, a tracing error, KeyboardInterrupt -- is over: the process
+lives on, whether or not the caller catches it.  The one exception is a step
+whose compiled program fails while a process is gone (gloo reports a closed
+connection when a peer's socket closes; the failing process finds a process
+that never arrived at the step, or cannot reach the coordinator): the job is
+broken, and a process that then exits would still wait in JAX's shutdown
+barrier for the dead one (until JAX's heartbeat timeout), so after that
+failure's BaguaXError the watchdog stays armed and ends the process
+``timeout`` seconds after the step began.
+
+The first step traces and compiles the program, which can take minutes and
+involves no other process, so it has its own limit, ``first_step_timeout``
+(default: the larger of ``timeout`` and :data:`FIRST_STEP_TIMEOUT`); later
+steps have ``timeout``, including a later call that compiles again because
+its input shapes changed.
 
 In one process there is nobody to wait for: the watchdog only bounds the step time.
 """
@@ -41,11 +53,12 @@ from typing import Callable, Optional
 
 import jax
 
-__all__ = ["StepWatchdog", "EXIT_STATUS"]
+__all__ = ["StepWatchdog", "EXIT_STATUS", "FIRST_STEP_TIMEOUT"]
 
 log = logging.getLogger(__name__)
 
 EXIT_STATUS = 1
+FIRST_STEP_TIMEOUT = 600.0  # seconds: the least the first step, which compiles, is given by default
 READ_TIMEOUT = 5.0  # seconds to wait for the other processes' steps once a report is due
 
 _ids = itertools.count()  # watchdogs are created in the same order on every process (wrap is collective)
@@ -59,10 +72,17 @@ def _distributed_client():
 
 
 class StepWatchdog:
-    """Counts steps, publishes them, and ends the process when one runs longer than ``timeout`` seconds."""
+    """Counts steps, publishes them, and ends the process when one runs longer than its limit.
 
-    def __init__(self, timeout: float, exit: Callable[[int], None] = os._exit):
+    The limit is ``timeout`` seconds, and ``first_step_timeout`` (default
+    ``max(timeout, FIRST_STEP_TIMEOUT)``) for the first step, which compiles.
+    """
+
+    def __init__(self, timeout: float, exit: Callable[[int], None] = os._exit,
+                 first_step_timeout: Optional[float] = None):
         self.timeout = float(timeout)
+        self.first_step_timeout = float(max(self.timeout, FIRST_STEP_TIMEOUT) if first_step_timeout is None
+                                        else first_step_timeout)
         self.process, self.processes = jax.process_index(), jax.process_count()
         self._client = _distributed_client() if self.processes > 1 else None
         self._prefix = f"bagua_x/jax_step/{next(_ids)}/"
@@ -83,6 +103,7 @@ class StepWatchdog:
         with self._lock:
             self._step += 1
             self._since = time.monotonic()
+            self._failure = None
             step = self._step
             self._to_publish.notify()
         if self._thread is None:
@@ -105,13 +126,20 @@ class StepWatchdog:
             published = step
 
     def leave(self) -> None:
+        """The current step is over, returned or raised: nothing left to watch until the next one."""
         with self._lock:
             self._since = None
+            self._failure = None
 
     def failed(self, message: str) -> None:
-        """The current step raised ``message``: stay armed, so a process that cannot exit is still ended."""
+        """The current step failed with a process gone (``message``): stay armed, so a process that cannot
+        exit (JAX's shutdown waits for the dead one) is still ended."""
         with self._lock:
             self._failure = message
+
+    def limit(self, step: int) -> float:
+        """Seconds step ``step`` (from 1) may run."""
+        return self.first_step_timeout if step == 1 else self.timeout
 
     def last_steps(self) -> dict[int, int] | str:
         """The step each process entered last, or why it could not be read (bounded wait)."""
@@ -140,22 +168,26 @@ class StepWatchdog:
                 log.warning("bagua_x.jax watchdog: ignoring unexpected key %r = %r", key, value)
         return steps
 
-    def arrivals(self, step: int) -> str:
-        """Which processes have not entered ``step``, and the last step each one entered."""
+    def arrivals(self, step: int) -> tuple[str, bool]:
+        """Which processes have not entered ``step`` and the last step each one entered, and whether one is
+        gone: it never arrived, or the coordinator (in process 0) cannot be reached."""
         steps = self.last_steps()
         if isinstance(steps, str):
-            return steps
+            return steps, True
         if self.processes == 1:
-            return "single process: nobody else to wait for"
+            return "single process: nobody else to wait for", False
         missing = [p for p in range(self.processes) if steps.get(p, 0) < step]
         reached = ", ".join(f"process {p}: {steps[p] if p in steps else 'none'}" for p in range(self.processes))
-        return f"processes that never arrived at step {step}: {missing}; last step each process entered: {reached}"
+        return (f"processes that never arrived at step {step}: {missing}; last step each process entered: {reached}",
+                bool(missing))
 
     def report(self, step: int, waited: float) -> str:
         where = f"process {self.process} of {self.processes}" if self.processes > 1 else "a single-process run"
+        limit = (f"wrap(timeout={self.timeout:g})" if step > 1 else
+                 f"the first step's limit, wrap(first_step_timeout={self.first_step_timeout:g})")
         return (
-            f"bagua_x.jax: step {step} has not finished after {waited:.1f} s (wrap(timeout={self.timeout:g})) in "
-            f"{where}; {self.arrivals(step)}. A process that never arrived has died or stopped calling the step "
+            f"bagua_x.jax: step {step} has not finished after {waited:.1f} s ({limit}) in "
+            f"{where}; {self.arrivals(step)[0]}. A process that never arrived has died or stopped calling the step "
             "(see its log); with everyone present, a step this slow is a hung device or a timeout too small for "
             f"the step. Exiting with status {EXIT_STATUS} so that an elastic launcher (torchrun --max-restarts) "
             "restarts the job from its last checkpoint."
@@ -167,18 +199,22 @@ class StepWatchdog:
             time.sleep(poll)
             with self._lock:
                 since, step, failure = self._since, self._step, self._failure
-            if since is None or time.monotonic() - since <= self.timeout:
+            # after a failure the program has run (compiled): the first step's allowance is spent
+            if since is None or time.monotonic() - since <= (self.timeout if failure else self.limit(step)):
                 continue
             if failure is None:
-                message = self.report(step, time.monotonic() - since)
+                message = self.report(step, time.monotonic() - since)  # reads the store: seconds, at worst
             else:
                 message = (f"{failure}\nbagua_x.jax: the process is still running {time.monotonic() - since:.1f} s "
                            f"after step {step} began (JAX's shutdown waits for processes that are gone); exiting "
                            f"with status {EXIT_STATUS}.")
-            log.error(message)
-            try:
-                sys.stderr.write(message + "\n")
-                sys.stderr.flush()
-            finally:
-                self._exit(EXIT_STATUS)
+            with self._lock:  # the training thread waits in leave() or enter() until this is decided
+                if self._since != since or self._failure != failure:
+                    continue  # the step ended meanwhile: only a step still running is reported
+                log.error(message)
+                try:
+                    sys.stderr.write(message + "\n")
+                    sys.stderr.flush()
+                finally:
+                    self._exit(EXIT_STATUS)
             return

@@ -23,10 +23,11 @@ import numpy as np
 
 from ..algorithms import Algorithm, GradientAllReduce, Phase, Target
 from ..core.bucket import BucketLayout, plan_buckets
+from ..core.comm import Feature
 from ..core.errors import BaguaXError
 from ..core.validation import describe
 from .checks import FiniteCheck, check_leaf_dtype, check_registrable
-from .communicator import AxisCommunicator, axis_size
+from .communicator import AxisCommunicator, axis_size, default_local_size
 from .distributed import check_same_across_processes, heartbeat_timeout
 from .placement import replicate as _replicate
 from .placement import unreplicate as _unreplicate
@@ -55,6 +56,7 @@ class DataParallel:
         timeout: Optional[float] = None,
         check_finite: bool = False,
         devices_per_node: Optional[int] = None,
+        first_step_timeout: Optional[float] = None,
     ):
         self.algorithm = algorithm if algorithm is not None else GradientAllReduce()
         self.devices_per_node = devices_per_node
@@ -101,14 +103,19 @@ class DataParallel:
         self._initial = params
         self._finite = FiniteCheck(self.names) if check_finite else None
         # check_finite alone needs the step count and the failure report, not the time limit
-        self._watchdog = (StepWatchdog(self._check_timeout(timeout) if timeout is not None else float("inf"))
+        if first_step_timeout is not None and timeout is None:
+            raise BaguaXError("bagua_x.jax.wrap: first_step_timeout is the first step's limit in place of timeout; "
+                              "pass timeout=... too, or neither")
+        self._watchdog = (StepWatchdog(self._check_timeout(timeout) if timeout is not None else float("inf"),
+                                       first_step_timeout=self._check_first(first_step_timeout))
                           if timeout is not None or check_finite else None)
         check_same_across_processes(
             describe(
                 zip(self.names, self._shapes, map(str, self._dtypes)),
                 {**self.algorithm.hyperparameters(), "axis_name": repr(axis_name), "bucket_cap_mb": bucket_cap_mb,
-                 "world_size": self.world_size, "timeout": timeout, "check_finite": bool(check_finite),
-                 "devices_per_node": devices_per_node},
+                 "world_size": self.world_size, "timeout": timeout, "first_step_timeout": first_step_timeout,
+                 "check_finite": bool(check_finite),
+                 "devices_per_node": devices_per_node or default_local_size()},  # the node layout
             ),
             "bagua_x.jax.wrap: the params trees or settings differ across processes",
         )
@@ -251,8 +258,10 @@ class DataParallel:
         results say that it has -- which a ``with`` block around the call could
         not wait for, hence a decorator.  With ``wrap(timeout=...)`` a watchdog
         (:mod:`.watchdog`) ends the process with a report when a step takes
-        longer; a step that fails (e.g. a peer's connection closed) raises a
-        BaguaXError naming the step and the processes that never arrived;
+        longer (the first, compiling step: ``first_step_timeout``); a step whose
+        program fails (e.g. a peer's connection closed) raises a BaguaXError
+        naming the step and the processes that never arrived; any other
+        exception, Ctrl-C included, ends the step and reaches the caller unchanged;
         with ``check_finite=True`` a non-finite reduction raises its BaguaXError
         (instead of JAX's ``JaxRuntimeError`` around it).  Without either it
         returns ``fn`` unchanged.
@@ -266,24 +275,41 @@ class DataParallel:
             step = watchdog.enter()
             try:
                 out = jax.block_until_ready(fn(*args, **kwargs))
-            except BaguaXError:
+            except Exception as e:
+                error = self._step_failed(watchdog, step, e)
+                if error is None:
+                    raise
+                raise error from e
+            except BaseException:  # Ctrl-C (KeyboardInterrupt), SystemExit: the step is over, nothing to report
                 watchdog.leave()
                 raise
-            except Exception as e:
-                finite = self._finite.take() if self._finite is not None else None
-                if finite is not None:  # every process raises it: nothing is broken, the caller may go on
-                    watchdog.leave()
-                    raise BaguaXError(f"step {step}: {finite}") from e
-                message = (f"bagua_x.jax: step {step} failed on process {watchdog.process} ({type(e).__name__}: "
-                           f"{str(e)[:300]}); {watchdog.arrivals(step)}. If a process died, see its log; restart "
-                           "the job from its last checkpoint (torchrun --max-restarts does it)")
-                logger.error("%s", message)
-                watchdog.failed(message)  # still armed: see .watchdog
-                raise BaguaXError(message) from e
             watchdog.leave()
             return out
 
         return guarded
+
+    def _step_failed(self, watchdog: StepWatchdog, step: int, e: Exception) -> Optional[BaguaXError]:
+        """The error to raise for a step that raised ``e`` (None: ``e`` itself).
+
+        The step is over, so the watchdog lets go, except after a failure of
+        the compiled program with a process gone (see :mod:`.watchdog`).
+        """
+        finite = self._finite.take() if self._finite is not None else None
+        if finite is not None or not isinstance(e, jax.errors.JaxRuntimeError):
+            # the caller's exception, a tracing error, or check_finite's (raised on every process at this
+            # step): nothing is broken, the caller may catch it and go on
+            watchdog.leave()
+            return None if finite is None else BaguaXError(f"step {step}: {finite}")
+        arrivals, gone = watchdog.arrivals(step)
+        message = (f"bagua_x.jax: step {step} failed on process {watchdog.process} ({type(e).__name__}: "
+                   f"{str(e)[:300]}); {arrivals}. If a process died, see its log; restart "
+                   "the job from its last checkpoint (torchrun --max-restarts does it)")
+        logger.error("%s", message)
+        if gone:
+            watchdog.failed(message)  # still armed: JAX's shutdown would wait for the dead process (.watchdog)
+        else:
+            watchdog.leave()
+        return BaguaXError(message)
 
     # -- internals ------------------------------------------------------------------------------
     def _check_timeout(self, timeout: float) -> float:
@@ -298,6 +324,15 @@ class DataParallel:
                 "heartbeat_timeout_seconds to bagua_x.jax.init_distributed"
             )
         return timeout
+
+    @staticmethod
+    def _check_first(first_step_timeout: Optional[float]) -> Optional[float]:
+        if first_step_timeout is None:
+            return None
+        if not float(first_step_timeout) > 0:
+            raise BaguaXError(f"bagua_x.jax.wrap: first_step_timeout must be a positive number of seconds (or None), "
+                              f"got {first_step_timeout}")
+        return float(first_step_timeout)
 
     def _leaves(self, tree: Any, where: str, floats: bool = False) -> list:
         """The leaves of ``tree``, checked against the wrapped params (``floats``: registered ones are floating)."""
@@ -331,6 +366,13 @@ class DataParallel:
         The result replaces the first tree's registered leaves; other leaves pass through.
         """
         comm = AxisCommunicator(self.axis_name, self.devices_per_node)
+        if Feature.HIERARCHICAL in self.algorithm.requires and comm.node_problem():
+            # raised while tracing, before any collective, on every process alike: they trace one program
+            # with settings wrap checked to be the same everywhere
+            raise BaguaXError(
+                f"{where}: {self.algorithm!r} asks for hierarchical=True, but {comm.node_problem()}; or pass "
+                "hierarchical=None (two levels where there are node groups, else flat) or hierarchical=False"
+            )
         leaves = [self._leaves(t, where, floats=True) for t in trees]
         if not isinstance(state, (tuple, list)) or len(state) != len(self.buckets):
             raise BaguaXError(
@@ -371,6 +413,7 @@ def wrap(
     timeout: Optional[float] = None,
     check_finite: bool = False,
     devices_per_node: Optional[int] = None,
+    first_step_timeout: Optional[float] = None,
 ) -> DataParallel:
     """Make a params pytree data parallel with ``algorithm`` (default :class:`GradientAllReduce`).
 
@@ -382,16 +425,23 @@ def wrap(
     In a multi-process run, every process must call ``wrap`` with the same tree.
     ``devices_per_node`` (default: this process's devices times torchrun's
     ``LOCAL_WORLD_SIZE``) groups the axis into nodes for the hierarchical
-    algorithms, which run in two levels under ``pmap`` with >= 2 nodes (flat
-    under ``shard_map``: JAX has no grouped collectives there).
+    algorithms, which run in two levels under ``pmap`` with >= 2 nodes.  Where
+    there are no node groups (``shard_map``: JAX has no grouped collectives
+    there; a ``devices_per_node`` that does not divide the axis) the default
+    ``hierarchical=None`` runs flat and ``hierarchical=True`` is refused with a
+    BaguaXError when the step is traced.
 
     Faults (both off by default; see :meth:`DataParallel.step`): ``timeout``
     (seconds) ends the process with a report when a step run through
     ``dp.step`` does not finish in time (a dead or stalled process), so an
     elastic launcher can restart the job; it must stay 10 s below JAX's
-    heartbeat timeout (:func:`init_distributed`).  ``check_finite`` raises a
+    heartbeat timeout (:func:`init_distributed`).  The first step traces and
+    compiles the program, so it has its own limit, ``first_step_timeout``
+    (default: the larger of ``timeout`` and 600 s); a later call that compiles
+    again (new input shapes) has ``timeout``.  Only a step still running is
+    reported: one that raises (and Ctrl-C) leaves the process alive.  ``check_finite`` raises a
     BaguaXError naming the leaves when a reduced value is NaN or inf, on
     every process at the same step (:mod:`.checks`).
     """
     return DataParallel(params, algorithm, axis_name, bucket_cap_mb, world_size, pack_buckets, timeout, check_finite,
-                        devices_per_node)
+                        devices_per_node, first_step_timeout)

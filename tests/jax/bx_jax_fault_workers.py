@@ -84,14 +84,52 @@ def train_worker(*args):
     return train(*args)
 
 
-def sleepy_worker(timeout: float):
-    """One process: a "step" that never returns in time (the watchdog must end the process)."""
+def sleepy_worker(timeout: float, first_step_timeout: float | None, first: float):
+    """One process: a first step of ``first`` seconds (as if compiling), then a "step" that never returns in
+    time (the watchdog must end the process)."""
+    import bagua_x.jax as bxj
+
+    _log_with_times()
+    limits = {} if first_step_timeout is None else {"first_step_timeout": first_step_timeout}
+    dp = bxj.wrap(tiny_params(), timeout=timeout, **limits)
+    dp.step(lambda: time.sleep(first))()
+    print(f"FIRST STEP DONE {time.time():.3f}", flush=True)
+    dp.step(lambda: time.sleep(600))()
+    return "the step returned"
+
+
+def raising_step(how: str):
+    """A step that raises: the caller's exception, a failure inside the compiled program, or Ctrl-C."""
+    import signal
+    import threading
+
+    import jax
+
+    if how == "error":
+        raise ValueError("the caller's own error")
+    if how == "runtime_error":
+        def fail(x):
+            raise ValueError("a host callback failed")
+        return jax.jit(lambda x: jax.debug.callback(fail, x) or x)(np.ones(3))
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C while the step runs
+    time.sleep(30)
+
+
+def survivor_worker(timeout: float, how: str):
+    """One process: a step that raises (see :func:`raising_step`), caught as a training script would, then
+    3 x ``timeout`` of the caller's own work (a save handler).  The process must live through it."""
     import bagua_x.jax as bxj
 
     _log_with_times()
     dp = bxj.wrap(tiny_params(), timeout=timeout)
-    dp.step(lambda: time.sleep(600))()
-    return "the step returned"
+    dp.step(lambda: None)()
+    try:
+        dp.step(raising_step)(how)
+    except BaseException as e:  # noqa: BLE001 - what reaches the caller is the result
+        print(f"CAUGHT {type(e).__name__}", flush=True)
+    time.sleep(3 * timeout)
+    dp.step(lambda: None)()  # and the next step runs as usual
+    return "alive"
 
 
 def _listeners(port: int) -> list[str]:

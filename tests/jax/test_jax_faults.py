@@ -121,10 +121,30 @@ def test_survivor_of_the_coordinator_exits_at_once():
     assert waited < TIMEOUT + 10
 
 
-def test_single_process_watchdog_bounds_the_step():
-    [(status, _, log)] = launch_timed("bx_jax_fault_workers:sleepy_worker", 1, (2.0,), limit=60)
+def test_single_process_watchdog_bounds_the_step_and_gives_the_first_its_own_limit():
+    """The first step (compiling) may take longer than ``timeout``; a later one may not."""
+    [(status, _, log)] = launch_timed("bx_jax_fault_workers:sleepy_worker", 1, (2.0, None, 3.0), limit=60)
     assert status == EXIT_STATUS, log[-3000:]
-    assert re.search(r"step 1 has not finished after 2\.\d s \(wrap\(timeout=2\)\) in a single-process run", log), log
+    assert "FIRST STEP DONE" in log, log[-3000:]
+    assert re.search(r"step 2 has not finished after 2\.\d s \(wrap\(timeout=2\)\) in a single-process run", log), log
+
+
+def test_a_first_step_past_its_own_limit_is_reported():
+    [(status, _, log)] = launch_timed("bx_jax_fault_workers:sleepy_worker", 1, (1.0, 3.0, 600.0), limit=60)
+    assert status == EXIT_STATUS, log[-3000:]
+    assert re.search(r"step 1 has not finished after 3\.\d s \(the first step's limit, "
+                     r"wrap\(first_step_timeout=3\)\) in a single-process run", log), log
+
+
+@pytest.mark.parametrize("how, caught", [("error", "ValueError"), ("runtime_error", "BaguaXError"),
+                                         ("interrupt", "KeyboardInterrupt")])
+def test_a_step_that_raises_is_over_and_the_process_lives_on(how, caught):
+    """The caller's exception (unchanged), a failure inside the program, Ctrl-C: caught by the caller, whose
+    handler then runs for 3 x timeout; no report, no kill, and the next step runs."""
+    [(status, _, log)] = launch_timed("bx_jax_fault_workers:survivor_worker", 1, (1.0, how), limit=60)
+    assert status == 0, log[-3000:]
+    assert "has not finished" not in log and "still running" not in log, log[-3000:]
+    assert re.findall(r"CAUGHT (\w+)", log) == [caught], log[-3000:]
 
 
 def test_watchdog_off_leaves_the_step_function_alone():

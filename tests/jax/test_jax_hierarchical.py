@@ -5,6 +5,8 @@ algorithms' here, so a variant that ran flat would fail; ``wrap`` then trains
 with them through ``devices_per_node`` and stays equal to the direct calls.
 """
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -56,14 +58,29 @@ def test_bytegrad(average):
         assert np.abs(want[0] - flat[0]).max() > 1e-3  # the flat algorithm would fail the comparison
 
 
+def psums(algorithm):
+    """The groups of every psum in ``algorithm.reduce``'s traced step on 2 nodes of 2 (``None``: the whole axis)."""
+    layout = flat_layout(NUMEL)
+    xs = np.stack(inputs(0))
+    state = jax.pmap(lambda x: algorithm.init(x, layout, N), axis_name="batch")(xs)
+    jaxpr = jax.make_jaxpr(jax.pmap(
+        lambda x, st: algorithm.reduce(x, layout, st, AxisCommunicator("batch", local_size=LOCAL)),
+        axis_name="batch"))(xs, state)
+    return re.findall(r"psum\[axes=\('batch',\) axis_index_groups=(None|\(\(.*?\)\))\]", str(jaxpr))
+
+
 @pytest.mark.parametrize("mode", ["all", "shift_one"])
 def test_decentralized(mode):
-    run = traced(Decentralized(peer_selection_mode=mode), inputs(0))
+    alg = Decentralized(peer_selection_mode=mode)
+    run = traced(alg, inputs(0))
     for s in range(STEPS):
         xs = inputs(s)
         got, _ = run(xs)
         for g, want in zip(got, ref.decentralized_hierarchical(xs, LOCAL, mode, s, 1)):
             np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
+    if mode == "all":  # the mean of the node means is the mean: the numbers cannot tell the forms apart, the
+        # collectives can -- the average among the nodes runs on one place per node, never on the whole axis
+        assert "((0, 2), (1, 3))" in psums(alg) and "None" not in psums(alg), psums(alg)
 
 
 def test_low_precision_decentralized():
@@ -124,3 +141,16 @@ def test_wrap_trains_hierarchically_with_devices_per_node():
     jaxpr = str(jax.make_jaxpr(jax.pmap(lambda g, s: flat.reduce_gradients(g, s), axis_name="batch"))(
         grads, flat.init()))
     assert "axis_index_groups=((" not in jaxpr
+
+
+def test_hierarchical_true_without_node_groups_is_refused():
+    """shard_map (no grouped collectives) and nodes that do not divide the axis: an error, not a flat run."""
+    from bx_jax_node_workers import refusals
+
+    got = refusals()
+    assert re.fullmatch(r"reduce_gradients: ByteGrad\(average=True, hierarchical=True\) asks for hierarchical=True, "
+                        r"but axis 'batch' is a shard_map axis, .* run the step under jax\.pmap for node groups; or "
+                        r"pass hierarchical=None .* or hierarchical=False", got["shard_map"]), got
+    assert re.fullmatch(r"reduce_gradients: .* but axis 'batch' has 4 devices, which do not split into nodes of 3 "
+                        r"\(wrap\(devices_per_node=\.\.\.\), .*\); pass a devices_per_node that divides the axis; or "
+                        r"pass hierarchical=None .*", got["pmap"]), got

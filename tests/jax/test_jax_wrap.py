@@ -45,8 +45,8 @@ def test_pmap_and_chain_match_pmean(setup, pack, cap_mb):
     assert_trees_close(w.bagua_pmap(dp, params, x, y, chain=True), ref)
 
 
-@pytest.mark.parametrize("algorithm", [GradientAllReduce(), GradientAllReduce(hierarchical=True), ByteGrad()],
-                         ids=["allreduce", "hierarchical", "bytegrad"])  # shard_map: hierarchical runs flat
+@pytest.mark.parametrize("algorithm", [GradientAllReduce(), GradientAllReduce(hierarchical=None), ByteGrad()],
+                         ids=["allreduce", "hierarchical", "bytegrad"])  # shard_map: hierarchical=None runs flat
 def test_shard_map_matches_pmean(setup, algorithm):
     params, x, y, ref = setup
     dp = wrap(params, algorithm=algorithm)

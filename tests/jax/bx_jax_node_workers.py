@@ -1,0 +1,185 @@
+"""Workers of test_jax_hierarchical_processes.py: 2 nodes x 2 processes, one CPU device each, jax.distributed with gloo.
+
+Every hierarchical algorithm reduces the same inputs from the same state
+``calls`` times over two multi-MB buckets; each process compares every call's
+result with tests/algorithms/reference.py itself (shipping millions of floats
+back would cost more than the check) and returns, per call and bucket, how far
+it was from the reference and a digest of its bytes.  Multi-MB buckets because
+gloo's reduce-scatter (behind ``lax.psum_scatter`` on CPU) went wrong only on
+large chunks, and only on some of identical calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from bx_jax_workers import _host_local
+
+LOCAL = 2  # processes (devices) per node
+SIZES = (3_000_000, 900_000)  # two buckets (multiples of 4: ByteGrad's alignment)
+LR = 0.01
+
+
+def inputs(seed: int, n: int, scale: float = 1.0) -> list[list[np.ndarray]]:
+    """``inputs(...)[rank][bucket]``: each rank's flat float32 values, the same on every process."""
+    rng = np.random.default_rng(seed)
+    return [[(rng.standard_normal(s) * scale).astype(np.float32) for s in SIZES] for _ in range(n)]
+
+
+def chunk_steps(x: np.ndarray, chunks: int) -> np.ndarray:
+    """Each element's quantisation step ((max - min) / 255 of its chunk), ``x`` cut in ``chunks`` equal chunks."""
+    from algorithms import reference as ref
+
+    return np.repeat([ref.step_size(c) for c in np.split(x, chunks)], len(x) // chunks)
+
+
+@dataclasses.dataclass
+class Case:
+    """One algorithm's call on both buckets: ``args`` in, ``want(bucket)`` (every rank's result) out."""
+
+    algorithm: Any
+    args: list  # per rank: a tuple with one per-bucket list of arrays for each argument of ``call``
+    start: list  # per rank, per bucket: what init sees
+    want: Callable[[int], list]
+    # (bucket, rank, that rank's wanted result) -> each element's quantisation step, for compressing algorithms
+    steps: Optional[Callable[[int, int, np.ndarray], np.ndarray]] = None
+    call: str = "reduce"
+
+
+def cases(n: int) -> dict[str, Case]:
+    from algorithms import reference as ref
+    from bagua_x.algorithms import ByteGrad, Decentralized, GradientAllReduce, LowPrecisionDecentralized, QAdam
+
+    xs = inputs(1, n)
+    by_bucket = lambda per_rank: [[r[b] for r in per_rank] for b in range(len(SIZES))]  # noqa: E731
+    grads = by_bucket(xs)
+    out = {
+        "allreduce": Case(GradientAllReduce(hierarchical=True), [(x,) for x in xs], xs,
+                          lambda b: ref.allreduce(grads[b])),
+        "bytegrad": Case(ByteGrad(hierarchical=True), [(x,) for x in xs], xs,
+                         lambda b: ref.bytegrad_hierarchical(grads[b], LOCAL),
+                         lambda b, r, want: chunk_steps(want, n)),  # the final chunks: L shards x G nodes
+    }
+    for mode in ("all", "shift_one"):
+        out[f"decentralized_{mode}"] = Case(Decentralized(mode, hierarchical=True), [(x,) for x in xs], xs,
+                                            lambda b, m=mode: ref.decentralized_hierarchical(grads[b], LOCAL, m, 0, 1))
+    # LowPrecisionDecentralized: every rank starts from the same weights, then each moves a little
+    start = inputs(2, 1, 0.1)[0]
+    moved = [[s + e for s, e in zip(start, noise)] for noise in inputs(3, n, 0.01)]
+
+    def lowprec(b):
+        state = {"w": start[b], "left": start[b], "right": start[b]}
+        return ref.low_precision_hierarchical(by_bucket(moved)[b], LOCAL, [state] * (n // LOCAL), 0, 1)[0]
+
+    out["lowprec"] = Case(LowPrecisionDecentralized(hierarchical=True), [(x,) for x in moved], [start] * n, lowprec,
+                          lambda b, r, want: chunk_steps(ref.node_means(by_bucket(moved)[b], LOCAL)[r // LOCAL] - start[b], LOCAL))
+    # QAdam: a warmup step (gradients averaged over nodes) then a compressed-momentum step, from the same start
+    rng = np.random.default_rng(4)
+    sign = [np.where(rng.random(s) < 0.5, -1, 1).astype(np.float32) for s in SIZES]  # averages away from 0
+    qgrads = [[[(sg * rng.uniform(0.05, 0.15, sg.size)).astype(np.float32) for sg in sign] for _ in range(n)]
+              for _ in range(2)]  # [step][rank][bucket]
+    params = [(0.5 * rng.standard_normal(s)).astype(np.float32) for s in SIZES]
+    out["qadam"] = Case(QAdam(lr=LR, warmup_steps=1, hierarchical=True),
+                        [(g1, g2, params) for g1, g2 in zip(*qgrads)], [params] * n,
+                        lambda b: [ref.qadam(params[b], [[g[b] for g in qgrads[t]] for t in range(2)], lr=LR,
+                                             warmup_steps=1, local=LOCAL)[-1]] * n,
+                        call="two_steps")
+    return out
+
+
+def _program(case: Case, layouts):
+    """The pmapped call on both buckets: ``(args per bucket, states per bucket) -> results per bucket``."""
+    import jax
+
+    from bagua_x.jax import AxisCommunicator
+
+    alg = case.algorithm
+
+    def body(args, states):
+        comm = AxisCommunicator("batch")
+        outs = []
+        for (arg, lay, st) in zip(args, layouts, states):
+            if case.call == "reduce":
+                outs.append(alg.reduce(arg[0], lay, st, comm)[0])
+            else:  # QAdam as dp.optimizer() runs it: two steps, the weights updated in between
+                g1, g2, p = arg
+                u, st = alg.step(g1, p, lay, st, comm)
+                p = p + u
+                outs.append(p + alg.step(g2, p, lay, st, comm)[0])
+        return outs
+
+    return jax.pmap(body, axis_name="batch")
+
+
+def refusals() -> dict:
+    """What ``reduce_gradients`` with ``ByteGrad(hierarchical=True)`` raises where the axis has no node groups:
+    under shard_map, and under pmap with nodes of 3 devices on an axis of 4 (raised while tracing: nothing runs)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from bagua_x.algorithms import ByteGrad
+    from bagua_x.core import BaguaXError
+    from bagua_x.jax import wrap
+
+    params = {"w": np.zeros(8, np.float32)}
+    n = jax.device_count()
+    attempts = {
+        "shard_map": (2, lambda dp: jax.jit(jax.shard_map(lambda g: dp.reduce_gradients(g, dp.init_state())[0],
+                                                          mesh=jax.make_mesh((n,), ("batch",)), in_specs=P(),
+                                                          out_specs=P())).trace(params)),
+        "pmap": (3, lambda dp: jax.pmap(lambda g: dp.reduce_gradients(g, dp.init_state())[0], axis_name="batch")(
+            {"w": np.zeros((jax.local_device_count(), 8), np.float32)})),
+    }
+    out = {}
+    for where, (per_node, trace) in attempts.items():
+        try:
+            trace(wrap(params, algorithm=ByteGrad(hierarchical=True), devices_per_node=per_node))
+            out[where] = "no error"
+        except BaguaXError as e:
+            out[where] = str(e)
+    return out
+
+
+def hierarchical_worker(names: list, calls: int) -> dict:
+    """For each algorithm in ``names``: per call, per bucket, ``(max error, elements off by more than 1e-6,
+    max error in quantisation steps or None, sha1 of the bytes)`` of this process's result."""
+    import jax
+
+    import bagua_x.jax as bxj
+    from bagua_x.core.bucket import BucketLayout
+
+    bxj.init_distributed()
+    results = {}
+    try:
+        n, rank = jax.device_count(), jax.process_index()
+        assert n == 4 and jax.local_device_count() == 1, (n, jax.local_device_count())
+        layouts = [BucketLayout(["x"], [(s,)], "float32") for s in SIZES]
+        all_cases = cases(n)
+        for name in names:
+            case = all_cases[name]
+            mine = [tuple(a[None] for a in arg) for arg in zip(*case.args[rank])]  # per bucket: its arguments
+            states = [case.algorithm.init(x, lay, n) for x, lay in zip(case.start[rank], layouts)]
+            states = jax.tree.map(lambda a: np.asarray(a)[None], states)  # numpy: the same state every call
+            program = _program(case, layouts)
+            wants = [case.want(b)[rank] for b in range(len(SIZES))]
+            steps = [None if case.steps is None else case.steps(b, rank, want) for b, want in enumerate(wants)]
+            per_call = []
+            for _ in range(calls):
+                outs = jax.block_until_ready(program(mine, states))
+                row = []
+                for out, want, step in zip(outs, wants, steps):
+                    got = _host_local(out)[0]
+                    err = np.abs(got.astype(np.float64) - want)
+                    row.append((float(err.max()), int(np.count_nonzero(err > 1e-6)),
+                                None if step is None else float((err / step).max()),
+                                hashlib.sha1(got.tobytes()).hexdigest()))
+                per_call.append(row)
+            results[name] = per_call
+        results["refusals"] = refusals()
+    finally:
+        jax.distributed.shutdown()
+    return results
