@@ -27,7 +27,7 @@ def algorithms():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     comm = bxt.TorchCommunicator()
-    comm.enable_hierarchical(required=True)
+    comm.enable_hierarchical(True)
     layout = BucketLayout(["x"], [(NUMEL,)], "float32")
     out = {"features": sorted(f.value for f in comm.features),
            "ranks": [comm.within.rank, comm.within.size, comm.across.rank, comm.across.size],
@@ -97,3 +97,29 @@ def training(steps: int = 30):
             wrapped.shutdown()
     dist.destroy_process_group()
     return out
+
+
+def disagree(settings):
+    """wrap() with ByteGrad(hierarchical=settings[rank]); returns how it ended and how long it took."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import bagua_x.torch as bxt
+    from bagua_x.algorithms import ByteGrad
+    from bagua_x.core.errors import BaguaXError
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = torch.nn.Linear(5, 3)
+    start = time.monotonic()
+    try:
+        bxt.wrap(model, algorithm=ByteGrad(hierarchical=settings[rank]), timeout=30)
+        outcome = "wrapped"
+    except BaguaXError as e:
+        outcome = str(e)
+    seconds = time.monotonic() - start
+    dist.barrier()  # rank 0 hosts the store: leave together
+    dist.destroy_process_group()
+    return outcome, seconds
