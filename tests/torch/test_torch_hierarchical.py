@@ -51,6 +51,8 @@ def test_training_with_default_settings_runs_over_nodes():
     for r in res:
         for name in ("allreduce", "bytegrad", "decentralized", "lpd", "qadam"):
             assert r[name]["hierarchical"], name  # hierarchical=None: on, with 2 nodes of 2
+            calls = r[name]["calls"]  # and the algorithm ran over them: in the node and across nodes, never flat
+            assert calls["within"] >= 30 and calls["across"] >= 30 and calls["flat"] == 0, (name, calls)
         # an uncompressed two-level allreduce is DDP's allreduce in another summation order
         assert len(r["ddp"]["params"]) == len(r["allreduce"]["params"]) == 4
         for a, b in zip(r["ddp"]["params"], r["allreduce"]["params"]):
