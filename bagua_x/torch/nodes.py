@@ -62,7 +62,7 @@ def declared_setting(algorithm: Algorithm) -> Optional[bool]:
 
 def agree_on_nodes(comm: "TorchCommunicator", setting: Optional[bool],
                    local_world_size: Optional[int] = None) -> NodeLayout:
-    """This rank's :class:`NodeLayout`, once every rank of ``comm`` has the same one (collective, no groups made).
+    """This rank's :class:`NodeLayout`, once every rank of ``comm`` agrees on it (collective, no groups made).
 
     ``setting`` is the algorithm's ``hierarchical=``; ``local_world_size``
     defaults to ``LOCAL_WORLD_SIZE`` (torchrun's).  Raises the same BaguaXError
@@ -79,6 +79,9 @@ def agree_on_nodes(comm: "TorchCommunicator", setting: Optional[bool],
     tag = f"nodes/{ranks[0]}+{len(ranks)}/{next(_checks[tuple(ranks)])}"
     gathered = store_allgather(tag, encode(mine), comm.group, timeout, context)
     views = [decode(data, f"{context}: rank {r}'s view") for r, data in zip(ranks, gathered)]
+    for r, v in zip(ranks, views):
+        if not (isinstance(v, tuple) and len(v) == len(mine)):
+            raise BaguaXError(f"{context}: rank {r} sent {str(v)[:200]!r}; are all ranks on the same bagua_x version?")
     message = _disagreement(ranks, views)
     if message:
         raise BaguaXError(f"bagua_x: ranks disagree on what decides the hierarchical collectives:\n{message}")
@@ -98,23 +101,29 @@ def _layout(comm: "TorchCommunicator", setting: Optional[bool], local_world_size
 
 
 def _disagreement(ranks: list[int], views: list[tuple]) -> Optional[str]:
-    """Each entry that differs, with the ranks that hold each value, and what to do; None if all agree."""
+    """Each entry that differs, with the ranks that hold each value, and what to do; None if nothing that
+    decides collectives differs.
+
+    That is the resolved form, and the layout unless every rank is flat by its
+    setting.  Settings that differ but resolve to the same form (e.g. None and
+    False on one node) make no group: wrap's model check reports them.
+    """
     names = ("hierarchical", "LOCAL_WORLD_SIZE (ranks per node)", "number of nodes", "resolved form")
     settings = {v[0] for v in views}
+    differs = [len({v[i] for v in views}) > 1 for i in range(len(names))]
+    layout_matters = settings != {_SETTINGS[False]}  # every rank flat: nodes of different sizes do not matter
+    if not (differs[3] or (layout_matters and (differs[1] or differs[2]))):
+        return None
     lines = []
     for i, name in enumerate(names):
-        if i in (1, 2) and settings == {_SETTINGS[False]}:
-            continue  # every rank is flat: nodes of different sizes do not matter
+        if not differs[i] or (i in (1, 2) and not layout_matters):
+            continue
         holders: dict = collections.defaultdict(list)
         for r, v in zip(ranks, views):
             holders[v[i]].append(r)
-        if len(holders) > 1:
-            lines.append(f"  {name}: " + "; ".join(
-                f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}: {value}"
-                for value, rs in holders.items()))
-    if not lines:
-        return None
-    if len(settings) > 1:
+        lines.append(f"  {name}: " + "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}: "
+                                                f"{value}" for value, rs in holders.items()))
+    if differs[0]:
         advice = "give every rank the same algorithm, with the same hierarchical= setting"
     else:
         advice = ("launch the same number of ranks on every node (torchrun --nproc_per_node, which sets "
