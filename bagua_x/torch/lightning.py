@@ -126,14 +126,16 @@ class BaguaXStrategy(DDPStrategy):
             self.model, self._wrapped = self.lightning_module, None
         super().teardown()
 
-    # -- steps without backward ---------------------------------------------------------------
+    # -- gradient accumulation -----------------------------------------------------------------
     @contextmanager
     def block_backward_sync(self) -> Generator:
         """Lightning's gradient accumulation: no communication on a micro-batch without a step.
 
-        Lightning calls ``no_sync`` only on a DDP model; bagua_x's wrapper has
-        the same ``no_sync``, so gradients (or QAdam's inputs) accumulate
-        locally and weights stay put until the micro-batch before the step.
+        Lightning's own version calls ``no_sync`` on a model that passes its
+        DDP check (in Lightning 2.6 a structural one, which bagua_x's wrapper
+        passes by having ``no_sync``); this one does not depend on that check.
+        Gradients (QAdam: the moments' inputs) accumulate locally and weights
+        stay put until the micro-batch before the step.
         """
         if self._wrapped is None:
             yield
@@ -141,6 +143,7 @@ class BaguaXStrategy(DDPStrategy):
             with self._wrapped.no_sync():
                 yield
 
+    # -- steps without backward ---------------------------------------------------------------
     def validation_step(self, *args: Any, **kwargs: Any):
         with self.precision_plugin.val_step_context():
             return self.lightning_module.validation_step(*args, **kwargs)
