@@ -118,7 +118,8 @@ def training(steps: int = 30):
 
 
 def disagree(settings):
-    """wrap() with ByteGrad(hierarchical=settings[rank]); returns how it ended and how long it took."""
+    """wrap() with ByteGrad(hierarchical=settings[rank]) (``"absent"``: this rank never wraps);
+    returns how it ended and how long it took."""
     import time
 
     import torch
@@ -133,8 +134,11 @@ def disagree(settings):
     model = torch.nn.Linear(5, 3)
     start = time.monotonic()
     try:
-        bxt.wrap(model, algorithm=ByteGrad(hierarchical=settings[rank]), timeout=30)
-        outcome = "wrapped"
+        if settings[rank] == "absent":
+            outcome = "absent"
+        else:
+            bxt.wrap(model, algorithm=ByteGrad(hierarchical=settings[rank]), timeout=3 if "absent" in settings else 30)
+            outcome = "wrapped"
     except BaguaXError as e:
         outcome = str(e)
     seconds = time.monotonic() - start

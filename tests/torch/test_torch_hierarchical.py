@@ -100,3 +100,12 @@ def test_nodes_of_different_sizes_all_raise_at_wrap():
     # every rank flat: nodes of different sizes are fine
     assert [o for o, _ in run_workers("bx_hierarchical_workers:disagree", nproc=4, args=([False] * 4,), timeout=60,
                                       env=ENV, rank_env=uneven)] == ["wrapped"] * 4
+
+
+def test_a_rank_that_never_wraps_fails_the_others_after_the_timeout():
+    res = run_workers("bx_hierarchical_workers:disagree", nproc=4, args=([None, None, None, "absent"],), timeout=60,
+                      env=ENV)
+    assert res[3][0] == "absent"
+    for outcome, seconds in res[:3]:
+        assert "ranks [3] did not arrive within 3 s" in outcome, outcome
+        assert 3 <= seconds < 6, seconds  # wrap(timeout=3)
