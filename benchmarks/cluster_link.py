@@ -73,7 +73,7 @@ def main():
     res["inter_node_mb_per_s"] = args.mb / res["inter_node_s"]
     half = torch.ones(int(args.mb * 1e6 / 8))
     comm = bxt.TorchCommunicator()
-    comm.enable_hierarchical(required=True)
+    comm.enable_hierarchical(True)
     two_level = GradientAllReduce(average=False, hierarchical=True)
     res["allreduce_mb"] = args.mb / 2
     res["flat_allreduce_s"] = timed(lambda: dist.all_reduce(half), args.reps)

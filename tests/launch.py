@@ -58,8 +58,11 @@ class WorkerError(AssertionError):
 
 
 def run_workers(target: str, nproc: int = 2, args: tuple = (), timeout: float = 120,
-                env: dict | None = None, expect_failure: bool = False):
+                env: dict | None = None, expect_failure: bool = False, rank_env: dict | None = None):
     """Run ``"module:function"`` on ``nproc`` ranks; return the list of per-rank results.
+
+    ``env`` is added to every rank's environment, then ``rank_env[rank]`` to that
+    rank's (e.g. a LOCAL_WORLD_SIZE that differs across ranks).
 
     With ``expect_failure`` the per-rank outcome is returned as ``("ok"|"error", value)``
     instead of raising, for tests that check error messages.
@@ -83,6 +86,7 @@ def run_workers(target: str, nproc: int = 2, args: tuple = (), timeout: float = 
                 "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
             })
             penv.update(env or {})
+            penv.update((rank_env or {}).get(rank, {}))
             procs.append(subprocess.Popen(
                 [sys.executable, worker, module, function, args_file, out_file],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=penv, cwd=str(ROOT),

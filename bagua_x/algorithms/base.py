@@ -29,7 +29,7 @@ from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
 
 __all__ = ["Target", "Phase", "Algorithm", "namespace", "counter", "every", "ring_allreduce_bytes", "compressed_bytes",
-           "NodeAware", "hierarchical", "over_nodes"]
+           "NodeAware", "hierarchical", "two_level_on", "over_nodes"]
 
 
 class Target(enum.Enum):
@@ -177,7 +177,13 @@ def hierarchical(setting: Optional[bool], comm) -> bool:
     """
     if setting is False or Feature.HIERARCHICAL not in comm.features:
         return False
-    return setting is True or (comm.within.size >= 2 and comm.across.size >= 2)
+    return two_level_on(setting, comm.across.size, comm.within.size)
+
+
+def two_level_on(setting: Optional[bool], nodes: int, ranks_per_node: int) -> bool:
+    """:func:`hierarchical`'s decision from the node layout alone, before any node group exists:
+    frontends check that every rank decides the same before they make groups."""
+    return setting is not False and nodes >= 2 and (setting is True or ranks_per_node >= 2)
 
 
 def over_nodes(flat, comm, exchange: Callable, op: ReduceOp = ReduceOp.AVG):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import os
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
+from .nodes import agree_on_nodes
 
 __all__ = ["TorchCommunicator"]
 
@@ -175,32 +175,30 @@ class TorchCommunicator:
         """The ranks at this rank's place in every node, one per node (after :meth:`enable_hierarchical`)."""
         return self._nodes()[1]
 
-    def enable_hierarchical(self, required: bool, local_world_size: Optional[int] = None) -> None:
-        """Offer ``Feature.HIERARCHICAL`` where there are nodes (collective: every rank calls it once).
+    def enable_hierarchical(self, setting: Optional[bool] = True, local_world_size: Optional[int] = None) -> None:
+        """Offer ``Feature.HIERARCHICAL`` where the algorithm runs over nodes (collective: every rank calls it once).
 
-        Nodes are consecutive blocks of ``local_world_size`` ranks (torchrun's
-        ``LOCAL_WORLD_SIZE``).  With one node there is nothing to offer and the
-        algorithms run flat.  ``required`` (the user asked for
-        ``hierarchical=True``): a setting that cannot have node groups raises
-        instead of quietly running flat.
+        ``setting`` is the algorithm's ``hierarchical=`` (``False`` only takes
+        part in the check).  Nodes are consecutive blocks of
+        ``local_world_size`` ranks (torchrun's ``LOCAL_WORLD_SIZE``).  Every
+        rank first checks through the store that all see the same setting and
+        layout (:func:`~.nodes.agree_on_nodes`): the same BaguaXError on every
+        rank instead of a hang in ``new_group``.  ``True`` (the user asked for
+        it): a layout that cannot have node groups raises instead of quietly
+        running flat.
         """
-        local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", self._size))
-        problem = None
-        if self.group is not None:
-            problem = "hierarchical algorithms need the default process group (process_group=None)"
-        elif local < 1 or self._size % local:
-            problem = (f"world size {self._size} is not a multiple of LOCAL_WORLD_SIZE={local}; "
-                       "launch the same number of ranks on every node")
-        if problem:
-            if required:
-                raise BaguaXError(f"{problem}; or pass hierarchical=False")
-            log.info("bagua_x: running flat: %s", problem)
+        layout = agree_on_nodes(self, setting, local_world_size)
+        if layout.problem:
+            if setting is True:
+                raise BaguaXError(f"{layout.problem}; or pass hierarchical=False")
+            if setting is None:
+                log.info("bagua_x: running flat: %s", layout.problem)
             return
-        nodes = self._size // local
-        if nodes < 2:
+        if not layout.two_level:
             return
-        blocks = [list(range(n * local, (n + 1) * local)) for n in range(nodes)]
-        places = [list(range(i, self._size, local)) for i in range(local)]
+        local, size = layout.local, self._size
+        blocks = [list(range(n * local, (n + 1) * local)) for n in range(layout.nodes)]
+        places = [list(range(i, size, local)) for i in range(local)]
         mine = []
         for ranks in blocks + places:  # every rank creates every group, in the same order
             group = dist.new_group(ranks)

@@ -27,19 +27,29 @@ What differs from DDPStrategy, and why:
 * bagua_x communicates on its own process group, made from the default one,
   so its communication thread never interleaves collectives with the ones
   Lightning issues meanwhile (``self.log(..., sync_dist=True)`` during an
-  exchange, barriers, broadcasts).  Pass ``process_group=`` to choose it
-  (hierarchical algorithms need ``process_group=None``, the default group).
-* Checkpoints (Lightning's own, e.g. ``ModelCheckpoint``) also hold every
-  rank's algorithm state (``algorithm_state_dict()``) under ``"bagua_x"``; for
-  weight algorithms (ranks' weights differ by design) every rank's model and
-  optimizer state too.  The strategy restores them after wrapping (wrap copies
-  rank 0's weights), so a resumed run continues as the uninterrupted one.
+  exchange, barriers, broadcasts).  Pass ``process_group=`` to choose it.
+  Hierarchical variants see Lightning's nodes (``num_nodes`` nodes of
+  ``devices`` ranks): ``hierarchical=None`` runs over nodes with >= 2 nodes of
+  >= 2 ranks, as under wrap().
+* Gradient accumulation (``accumulate_grad_batches``) skips communication on
+  the micro-batches that are not followed by a step, as DDP's ``no_sync``:
+  every algorithm communicates once per optimizer step.
+* Checkpoints (Lightning's own, e.g. ``ModelCheckpoint``) also hold each
+  rank's algorithm state (``algorithm_state_dict()``) and, for weight
+  algorithms (ranks' weights differ by design), its model and optimizer state:
+  every rank writes its own file next to the checkpoint
+  (``<checkpoint>.bagua_x-rank<r>``, through Lightning's ``checkpoint_io``),
+  so nothing travels between ranks and nothing is unpickled from the network.
+  Resume needs those files beside the checkpoint.  The strategy restores them
+  after wrapping (wrap copies rank 0's weights), so a resumed run continues as
+  the uninterrupted one.
 * Validation, test and predict steps call the LightningModule directly: no
   exchange is started by a forward that has no backward.
 """
 
 import logging
-from typing import Any, Mapping, Optional
+from contextlib import contextmanager
+from typing import Any, Generator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,7 +62,7 @@ from ..algorithms.base import Algorithm, Target
 from ..core.errors import BaguaXError
 from .wrap import DistributedModel, wrap
 
-__all__ = ["BaguaXStrategy"]
+__all__ = ["BaguaXStrategy", "rank_file"]
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +113,7 @@ class BaguaXStrategy(DDPStrategy):
                 "module with one optimizer (its weight and momentum algorithms hook optimizer.step()): use one"
             )
         optimizer = self.optimizers[0] if self.optimizers else None
-        kwargs = {**self._ddp_kwargs, **self._wrap_kwargs}
+        kwargs = {"local_world_size": self.num_processes, **self._ddp_kwargs, **self._wrap_kwargs}
         if "process_group" not in kwargs:
             kwargs["process_group"] = dist.new_group(backend=dist.get_backend())  # collective: every rank
         self._wrapped = wrap(model, optimizer, algorithm=self.algorithm, **kwargs)
@@ -115,6 +125,23 @@ class BaguaXStrategy(DDPStrategy):
             self._wrapped.shutdown()  # hooks removed, threads stopped (AsyncModelAverage's averaging included)
             self.model, self._wrapped = self.lightning_module, None
         super().teardown()
+
+    # -- gradient accumulation -----------------------------------------------------------------
+    @contextmanager
+    def block_backward_sync(self) -> Generator:
+        """Lightning's gradient accumulation: no communication on a micro-batch without a step.
+
+        Lightning's own version calls ``no_sync`` on a model that passes its
+        DDP check (in Lightning 2.6 a structural one, which bagua_x's wrapper
+        passes by having ``no_sync``); this one does not depend on that check.
+        Gradients (QAdam: the moments' inputs) accumulate locally and weights
+        stay put until the micro-batch before the step.
+        """
+        if self._wrapped is None:
+            yield
+        else:
+            with self._wrapped.no_sync():
+                yield
 
     # -- steps without backward ---------------------------------------------------------------
     def validation_step(self, *args: Any, **kwargs: Any):
@@ -131,45 +158,64 @@ class BaguaXStrategy(DDPStrategy):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Optional[Any] = None) -> None:
-        """Collective (Lightning calls it on every rank): rank 0 writes every rank's bagua_x state along."""
+        """Lightning calls it on every rank: each writes its own bagua_x state beside the checkpoint."""
         if self._wrapped is not None:
             mine = {"algorithm_state": self._wrapped.algorithm_state_dict()}
             if self._wrapped.algorithm.target is Target.WEIGHT:
                 mine["state_dict"] = checkpoint["state_dict"]
                 mine["optimizer_states"] = checkpoint.get("optimizer_states", [])
-            ranks = [None] * self.world_size if self.is_global_zero else None
-            dist.gather_object(mine, ranks, dst=0)
-            if self.is_global_zero:
-                checkpoint = {**checkpoint, CHECKPOINT_KEY: {
-                    "algorithm": self._wrapped.algorithm.hyperparameters(), "ranks": ranks}}
+            self.checkpoint_io.save_checkpoint(mine, rank_file(filepath, self.global_rank), storage_options)
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: {
+                "algorithm": self._wrapped.algorithm.hyperparameters(), "world_size": self.world_size}}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
-    def _saved_rank(self, checkpoint: Mapping[str, Any]) -> Optional[dict]:
+    def remove_checkpoint(self, filepath) -> None:
+        super().remove_checkpoint(filepath)
+        if self._wrapped is not None:
+            self.checkpoint_io.remove_checkpoint(rank_file(filepath, self.global_rank))
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
+        """The checkpoint, with this rank's bagua_x state from its own file under ``CHECKPOINT_KEY``."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None or self._wrapped is None:
-            return None
-        if len(saved["ranks"]) != self.world_size:
+            return checkpoint
+        if saved["world_size"] != self.world_size:
             raise BaguaXError(
-                f"the checkpoint holds bagua_x state of {len(saved['ranks'])} ranks, but this run has "
-                f"{self.world_size}; resume with the same number of ranks"
+                f"the checkpoint {checkpoint_path} holds bagua_x state of {saved['world_size']} ranks, but this run "
+                f"has {self.world_size}; resume with the same number of ranks"
             )
         if saved["algorithm"] != self._wrapped.algorithm.hyperparameters():
             raise BaguaXError(
-                f"the checkpoint was saved with {saved['algorithm']}, this run uses "
+                f"the checkpoint {checkpoint_path} was saved with {saved['algorithm']}, this run uses "
                 f"{self._wrapped.algorithm.hyperparameters()}; resume with the same algorithm"
             )
-        return saved["ranks"][self.global_rank]
+        path = rank_file(checkpoint_path, self.global_rank)
+        try:
+            mine = self.checkpoint_io.load_checkpoint(path, weights_only=True)  # tensors and plain values only
+        except FileNotFoundError:
+            raise BaguaXError(
+                f"rank {self.global_rank}'s bagua_x state {path} is missing: every rank saves its own file beside "
+                f"the checkpoint; copy them all with {checkpoint_path}"
+            ) from None
+        return {**checkpoint, CHECKPOINT_KEY: {**saved, "rank": mine}}
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        mine = self._saved_rank(checkpoint)
-        if mine is None:
+        mine = checkpoint.get(CHECKPOINT_KEY, {}).get("rank")
+        if mine is None or self._wrapped is None:
             super().load_model_state_dict(checkpoint, strict)
             return
         self.lightning_module.load_state_dict(mine.get("state_dict", checkpoint["state_dict"]), strict=strict)
         self._wrapped.load_algorithm_state_dict(mine["algorithm_state"])
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        mine = self._saved_rank(checkpoint)
+        mine = checkpoint.get(CHECKPOINT_KEY, {}).get("rank")
         if mine is not None and "optimizer_states" in mine:
             checkpoint = {**checkpoint, "optimizer_states": mine["optimizer_states"]}
         super().load_optimizer_state_dict(checkpoint)
+
+
+def rank_file(checkpoint_path, rank: int) -> str:
+    """Where ``rank`` keeps its bagua_x state for the checkpoint at ``checkpoint_path`` (not ``*.ckpt``:
+    Lightning's searches for checkpoints do not pick it up)."""
+    return f"{checkpoint_path}.bagua_x-rank{rank}"

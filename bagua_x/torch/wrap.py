@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from ..algorithms import GradientAllReduce
 from ..algorithms.base import Algorithm, Phase, Target
-from ..core.comm import Feature
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from . import kernels
@@ -30,6 +29,7 @@ from .distributed import (broadcast_tensors, check_one_gpu_per_rank, check_same_
                           model_device)
 from .engine import Engine, EngineOptions
 from .grad_sync import GradientEngine
+from .nodes import declared_setting
 from .qadam import MomentumEngine, QAdamOptimizer
 from .watchdog import resolve_timeout
 from .weight_sync import WeightEngine
@@ -49,16 +49,17 @@ class DistributedModel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], algorithm: Algorithm,
                  process_group: Optional[dist.ProcessGroup], bucket_cap_mb: float, find_unused_parameters: bool,
-                 broadcast_buffers: bool, timeout: Union[None, float, datetime.timedelta], check_finite: bool):
+                 broadcast_buffers: bool, timeout: Union[None, float, datetime.timedelta], check_finite: bool,
+                 local_world_size: Optional[int] = None):
         super().__init__()
         self.module = module
         self.algorithm = algorithm
         self.process_group = process_group
         self.timeout = resolve_timeout(timeout, process_group)
         self.comm = TorchCommunicator(process_group, timeout=self.timeout)
-        if Feature.HIERARCHICAL in algorithm.uses:
-            self.comm.enable_hierarchical(required=Feature.HIERARCHICAL in algorithm.requires)
         check_one_gpu_per_rank(model_device(module), process_group, self.timeout)
+        # always, before any other collective: a rank with another setting or node layout fails here with the rest
+        self.comm.enable_hierarchical(declared_setting(algorithm), local_world_size)
         # exchanged with the model description, so a problem on any rank is raised on every rank
         problem = input_problem(module)
         check_same_model(module, {"algorithm": algorithm.hyperparameters(), "bucket_cap_mb": bucket_cap_mb,
@@ -157,7 +158,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
          broadcast_buffers: bool = True, timeout: Union[None, float, datetime.timedelta] = None,
          check_finite: bool = False, device_ids: Optional[Sequence[Union[int, str, torch.device]]] = None,
          output_device: Union[None, int, str, torch.device] = None, gradient_as_bucket_view: bool = True,
-         static_graph: bool = False) -> DistributedModel:
+         static_graph: bool = False, local_world_size: Optional[int] = None) -> DistributedModel:
     """Make ``model`` data parallel with ``algorithm``.
 
     The default is GradientAllReduce (what DDP does), or QAdam when ``optimizer``
@@ -178,6 +179,9 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     restart from a checkpoint.  ``check_finite=True`` raises when a
     communicated value (gradient, weight or QAdam momentum) is NaN or infinite
     after the reduction, naming the tensor, on every rank at the same step.
+    ``local_world_size``: ranks per node for hierarchical algorithms (default
+    torchrun's ``LOCAL_WORLD_SIZE``); every rank must see the same setting and
+    node layout, else all raise the same BaguaXError before any node group is made.
 
     On a GPU the default paths never wait for the GPU on the host.  Two
     options do, by their nature: ``check_finite=True`` reads one flag per
@@ -207,4 +211,4 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     if algorithm is None:
         algorithm = optimizer.algorithm if isinstance(optimizer, QAdamOptimizer) else GradientAllReduce()
     return DistributedModel(model, optimizer, algorithm, process_group, bucket_cap_mb,
-                            find_unused_parameters, broadcast_buffers, timeout, check_finite)
+                            find_unused_parameters, broadcast_buffers, timeout, check_finite, local_world_size)

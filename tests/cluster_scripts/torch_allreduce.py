@@ -24,7 +24,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 if rank == crash:
     raise SystemExit(f"rank {rank} crashes on purpose")
 comm = bxt.TorchCommunicator()
-comm.enable_hierarchical(required=True)
+comm.enable_hierarchical(True)
 x = torch.arange(1000, dtype=torch.float32) * (rank + 1)
 hier = GradientAllReduce(average=False, hierarchical=True).reduce(x.clone(), None, {}, comm)[0].numpy()
 flat = x.clone()

@@ -193,12 +193,14 @@ def crafted_pickle_refused(marker):
     import bagua_x.torch as bxt
     from bagua_x.core.errors import BaguaXError
     from bagua_x.torch.distributed import allgather_bytes, check_same_buckets
+    from bagua_x.torch.nodes import agree_on_nodes
     from bagua_x.torch.watchdog import restart_count
 
     rank, _ = _init()
     payload = pickle.dumps(_Planted(marker))
     out = {}
     if rank == 1:
+        agree_on_nodes(bxt.TorchCommunicator(), False)  # passes wrap's node check, as GradientAllReduce would
         allgather_bytes(payload, None)  # where wrap() gathers model descriptions
         dist.distributed_c10d._get_default_store().set(f"bagua_x/check/{restart_count()}/buckets/0/1", payload)
         dist.barrier()

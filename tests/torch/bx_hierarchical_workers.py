@@ -27,7 +27,7 @@ def algorithms():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     comm = bxt.TorchCommunicator()
-    comm.enable_hierarchical(required=True)
+    comm.enable_hierarchical(True)
     layout = BucketLayout(["x"], [(NUMEL,)], "float32")
     out = {"features": sorted(f.value for f in comm.features),
            "ranks": [comm.within.rank, comm.within.size, comm.across.rank, comm.across.size],
@@ -57,7 +57,13 @@ def algorithms():
 
 
 def training(steps: int = 30):
-    """wrap() with each algorithm at its default (hierarchical on 2 nodes of 2), against DDP."""
+    """wrap() with each algorithm at its default (hierarchical on 2 nodes of 2), against DDP.
+
+    Collectives are counted per communicator (every one goes through ``TorchCommunicator._wait``),
+    so the test sees which of the flat, in-node and across-node groups each algorithm used.
+    """
+    import collections
+
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -74,8 +80,17 @@ def training(steps: int = 30):
     ys = xs.sum(-1, keepdim=True).sin()
     systems = {"ddp": None, "allreduce": GradientAllReduce(hierarchical=True), "bytegrad": ByteGrad(),
                "decentralized": Decentralized(), "lpd": LowPrecisionDecentralized(), "qadam": "qadam"}
+    calls = collections.Counter()
+    wait = bxt.TorchCommunicator._wait
+
+    def counting_wait(comm, work, x):
+        calls[id(comm)] += 1
+        return wait(comm, work, x)
+
+    bxt.TorchCommunicator._wait = counting_wait
     out = {}
     for name, alg in systems.items():
+        calls.clear()
         torch.manual_seed(rank)  # different initial weights on each rank: wrap broadcasts rank 0's
         model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         if alg == "qadam":
@@ -93,7 +108,40 @@ def training(steps: int = 30):
             losses.append(loss.item())
         out[name] = {"losses": losses, "params": [p.detach().clone().numpy() for p in model.parameters()]}
         if alg is not None:
-            out[name]["hierarchical"] = Feature.HIERARCHICAL in wrapped.comm.features
+            comm = wrapped.comm
+            out[name]["hierarchical"] = Feature.HIERARCHICAL in comm.features
+            out[name]["calls"] = {"flat": calls[id(comm)], "within": calls[id(comm.within)],
+                                  "across": calls[id(comm.across)]}
             wrapped.shutdown()
     dist.destroy_process_group()
     return out
+
+
+def disagree(settings):
+    """wrap() with ByteGrad(hierarchical=settings[rank]) (``"absent"``: this rank never wraps);
+    returns how it ended and how long it took."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import bagua_x.torch as bxt
+    from bagua_x.algorithms import ByteGrad
+    from bagua_x.core.errors import BaguaXError
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = torch.nn.Linear(5, 3)
+    start = time.monotonic()
+    try:
+        if settings[rank] == "absent":
+            outcome = "absent"
+        else:
+            bxt.wrap(model, algorithm=ByteGrad(hierarchical=settings[rank]), timeout=3 if "absent" in settings else 30)
+            outcome = "wrapped"
+    except BaguaXError as e:
+        outcome = str(e)
+    seconds = time.monotonic() - start
+    dist.barrier()  # rank 0 hosts the store: leave together
+    dist.destroy_process_group()
+    return outcome, seconds

@@ -51,6 +51,8 @@ def test_training_with_default_settings_runs_over_nodes():
     for r in res:
         for name in ("allreduce", "bytegrad", "decentralized", "lpd", "qadam"):
             assert r[name]["hierarchical"], name  # hierarchical=None: on, with 2 nodes of 2
+            calls = r[name]["calls"]  # and the algorithm ran over them: in the node and across nodes, never flat
+            assert calls["within"] >= 30 and calls["across"] >= 30 and calls["flat"] == 0, (name, calls)
         # an uncompressed two-level allreduce is DDP's allreduce in another summation order
         assert len(r["ddp"]["params"]) == len(r["allreduce"]["params"]) == 4
         for a, b in zip(r["ddp"]["params"], r["allreduce"]["params"]):
@@ -65,3 +67,45 @@ def test_training_with_default_settings_runs_over_nodes():
             for r in res[1:]:
                 for a, b in zip(res[0][name]["params"], r[name]["params"]):
                     np.testing.assert_array_equal(a, b)
+
+
+def _same_error_everywhere(res):
+    messages = {outcome for outcome, _ in res}
+    assert len(messages) == 1, messages  # the same BaguaXError on every rank
+    seconds = max(s for _, s in res)
+    # seen 0.0x s; before the check: one rank's raw gloo timeout after 15 s, the others hung (> 195 s)
+    assert seconds < 5, seconds
+    return messages.pop()
+
+
+def test_ranks_with_another_hierarchical_setting_all_raise_at_wrap():
+    res = run_workers("bx_hierarchical_workers:disagree", nproc=4, args=([None, None, None, False],), timeout=60,
+                      env=ENV)
+    message = _same_error_everywhere(res)
+    assert "ranks disagree on what decides the hierarchical collectives" in message
+    assert "hierarchical: ranks 0, 1, 2: None" in message and "rank 3: False (flat)" in message
+    assert "resolved form: ranks 0, 1, 2: two-level; rank 3: flat" in message
+    assert "same hierarchical= setting" in message
+    assert "LOCAL_WORLD_SIZE" not in message  # the layout is the same everywhere
+
+
+def test_nodes_of_different_sizes_all_raise_at_wrap():
+    uneven = {r: {"LOCAL_WORLD_SIZE": "3" if r < 3 else "1"} for r in range(4)}  # a node of 3 ranks and one of 1
+    res = run_workers("bx_hierarchical_workers:disagree", nproc=4, args=([None] * 4,), timeout=60, env=ENV,
+                      rank_env=uneven)
+    message = _same_error_everywhere(res)
+    assert "LOCAL_WORLD_SIZE (ranks per node): ranks 0, 1, 2: 3; rank 3: 1" in message
+    assert "number of nodes: ranks 0, 1, 2: 4/3, not a whole number; rank 3: 4" in message
+    assert "launch the same number of ranks on every node" in message and "hierarchical=False" in message
+    # every rank flat: nodes of different sizes are fine
+    assert [o for o, _ in run_workers("bx_hierarchical_workers:disagree", nproc=4, args=([False] * 4,), timeout=60,
+                                      env=ENV, rank_env=uneven)] == ["wrapped"] * 4
+
+
+def test_a_rank_that_never_wraps_fails_the_others_after_the_timeout():
+    res = run_workers("bx_hierarchical_workers:disagree", nproc=4, args=([None, None, None, "absent"],), timeout=60,
+                      env=ENV)
+    assert res[3][0] == "absent"
+    for outcome, seconds in res[:3]:
+        assert "ranks [3] did not arrive within 3 s" in outcome, outcome
+        assert 3 <= seconds < 6, seconds  # wrap(timeout=3)

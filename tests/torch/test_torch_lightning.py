@@ -16,20 +16,31 @@ pytest.importorskip("lightning")
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bx_lightning_script.py")
 
 
-def run_lightning(scenario, tmp_path, timeout=150):
-    """Run the script on rank 0; Lightning re-runs it for rank 1.  Returns each rank's results."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+def run_lightning(scenario, tmp_path, timeout=150, nodes=1):
+    """Run the script as each node's local rank 0 (``NODE_RANK``); Lightning re-runs it for local rank 1.
+
+    Returns each rank's results (``nodes`` x 2 ranks).
+    """
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE")}
     env.update(PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, SCRIPT, scenario, str(tmp_path)], env=env, cwd=str(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    procs = [subprocess.Popen([sys.executable, SCRIPT, scenario, str(tmp_path), str(nodes)],
+                              env={**env, "NODE_RANK": str(n)}, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, start_new_session=True) for n in range(nodes)]
+    logs = []
     try:
-        log = proc.communicate(timeout=timeout)[0].decode(errors="replace")
+        for proc in procs:
+            logs.append(proc.communicate(timeout=timeout)[0].decode(errors="replace"))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # rank 1 is in rank 0's session
-        pytest.fail(f"Lightning run {scenario} timed out after {timeout}s:\n{proc.communicate()[0].decode()[-4000:]}")
-    outs = [tmp_path / f"rank{r}.pkl" for r in range(2)]
-    assert proc.returncode == 0 and all(o.exists() for o in outs), f"Lightning run {scenario} failed:\n{log[-6000:]}"
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)  # each node's rank 1 is in its rank 0's session
+        pytest.fail(f"Lightning run {scenario} timed out after {timeout}s:\n"
+                    + "\n".join(p.communicate()[0].decode()[-3000:] for p in procs))
+    outs = [tmp_path / f"rank{r}.pkl" for r in range(2 * nodes)]
+    log = "\n".join(logs)
+    assert all(p.returncode == 0 for p in procs) and all(o.exists() for o in outs), \
+        f"Lightning run {scenario} failed:\n{log[-6000:]}"
     return [pickle.loads(o.read_bytes()) for o in outs]
 
 
@@ -68,10 +79,42 @@ def test_every_algorithm_trains(tmp_path):
 def test_checkpoint_resume_keeps_algorithm_state(tmp_path):
     ranks = run_lightning("resume:LowPrecisionDecentralized", tmp_path)
     for r in ranks:
-        assert r["saved"]["ranks"] == 2
-        assert r["saved"]["algorithm_state"] == [["left", "right", "step", "w"]] * 2
+        saved = r["saved"]  # each rank wrote its own file; the checkpoint itself names the algorithm only
+        assert saved["main"] == {"algorithm": ranks[0]["saved"]["main"]["algorithm"], "world_size": 2}
+        assert [f.rsplit(".", 1)[1] for f in saved["rank_files"]] == ["bagua_x-rank0", "bagua_x-rank1"]
+        assert saved["algorithm_state"] == [["left", "right", "step", "w"]] * 2
         whole, resumed = r["uninterrupted"], r["resumed"]
         assert whole["steps"] == resumed["steps"] == 44 and len(resumed["losses"]) == 22
         assert resumed["losses"] == whole["losses"][22:]  # the second epoch again, bitwise
         assert max_diff(whole["params"], resumed["params"]) == 0.0  # 0.017 if the algorithm state is not restored
     assert max_diff(ranks[0]["resumed"]["params"], ranks[1]["resumed"]["params"]) > 0  # per-rank weights restored
+
+
+def test_gradient_accumulation_communicates_once_per_step(tmp_path):
+    ranks = run_lightning("accumulate", tmp_path, timeout=240)
+    for r in ranks:
+        ddp, bx = r["ddp"], r["GradientAllReduce"][2]
+        assert ddp["steps"] == bx["steps"] == 12 and len(bx["losses"]) == 24
+        assert bx["losses"] == ddp["losses"]  # bitwise: DDP with no_sync on the first micro-batch of each step
+        assert max_diff(ddp["params"], bx["params"]) == 0.0
+        for name in ("GradientAllReduce", "ByteGrad", "Decentralized", "LowPrecisionDecentralized", "ModelAverage",
+                     "QAdam"):
+            once, twice = (np.diff([0, *r[name][k]["calls"]]) for k in (1, 2))
+            assert len(once) == 12 and len(twice) == 24 and once.sum() > 0, name
+            # nothing on a micro-batch without a step; per step, what the run without accumulation does
+            assert list(twice[0::2]) == [0] * 12, (name, list(twice))
+            assert list(twice[1::2]) == list(once), (name, list(twice), list(once))
+
+
+def test_hierarchical_variants_over_lightning_nodes(tmp_path):
+    ranks = run_lightning("nodes", tmp_path, timeout=240, nodes=2)  # 2 nodes x 2 ranks
+    for rank, r in enumerate(ranks):
+        for name in ("allreduce", "bytegrad"):  # ByteGrad's default hierarchical=None: over nodes on 2 x 2
+            nodes = r[name]["nodes"]
+            assert nodes["within"][0] == nodes["across"][0] == 2, (name, nodes)
+            assert nodes["within"][1] > 0 and nodes["across"][1] > 0 and nodes["flat"] == 0, (name, nodes)
+            assert r[name]["steps"] == 10
+        # DDP's allreduce in another summation order
+        for a, b in zip(r["ddp"]["params"], r["allreduce"]["params"]):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+        assert max_diff(r["bytegrad"]["params"], ranks[0]["bytegrad"]["params"]) == 0.0
