@@ -44,6 +44,7 @@ class EngineOptions:
     optimizer: Optional[torch.optim.Optimizer] = None
     find_unused_parameters: bool = False
     check_finite: bool = False
+    static_graph: bool = False  # backward engines: hook firings per backward learnt once (see .ready_counts)
 
 
 class Engine(Protocol):
