@@ -157,13 +157,16 @@ class BackwardEngine(BucketedEngine):
     def settle(self) -> None:
         """Before a forward: end the communication of a backward that raised before its end-of-backward callback."""
         if self._hooks.queued:
-            self._hooks.queued = False
+            self._hooks.abandon()
             self._dispatcher.reset()
             self._counts.reset()
             self._worker.wait()  # let buckets already launched finish, so collectives stay paired
 
     def before_forward(self) -> None:
         """Communication happens during backward: nothing starts at forward."""
+
+    def after_forward(self, outputs) -> None:
+        self._hooks.watch(outputs)
 
     def close(self) -> None:
         self._hooks.remove()

@@ -64,7 +64,8 @@ class ReadyCounts:
             self.expected = fired
             last, self._last = self._last, {}
             return [self._tensors[i] for i in last]
-        short = [(t.name, n, e) for t, n, e in zip(self._tensors, fired, self.expected) if 0 < n < e]
+        short = [(t.name, n, e) for t, n, e in zip(self._tensors, fired, self.expected) if 0 < n < e] \
+            if self.static_graph else []  # else every tensor that fired is final
         if short:
             name, n, e = short[0]
             raise BaguaXError(

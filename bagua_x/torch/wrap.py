@@ -87,6 +87,7 @@ class DistributedModel(torch.nn.Module):
             broadcast_tensors(self._buffers_to_sync, self.process_group, timeout=self.timeout)
         self._engine.before_forward()
         out = self.module(*args, **kwargs)
+        self._engine.after_forward(out)
         # as DDP: buffers follow rank 0 before a forward that follows a synchronised one
         self._sync_buffers_next = torch.is_grad_enabled() and self._engine.enabled
         return out

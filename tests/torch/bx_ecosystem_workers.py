@@ -204,9 +204,10 @@ def static_graph_reentrant_checkpoint(steps=3):
                             ("wrap", bxt.wrap(Checkpointed(), static_graph=True)))}
 
 
-def _shared_checkpointed():
+def _shared_checkpointed(head_inside: bool):
     """``shared`` is used by two reentrant-checkpointed segments: its gradient hook fires once per
-    segment's nested backward, so it is only final after the second firing."""
+    segment's nested backward, so it is only final after the second firing.  ``head_inside``: the
+    head is checkpointed too, so the first hook of a backward fires inside a nested backward."""
     import time
 
     import torch
@@ -226,15 +227,15 @@ def _shared_checkpointed():
             return torch.tanh(layer(torch.tanh(self.shared(t))))
 
         def forward(self, x):
-            h = self.inp(x)
-            h = checkpoint(self.segment, self.a, h, use_reentrant=True)
-            h = checkpoint(self.segment, self.b, h, use_reentrant=True)
-            return self.head(h)
+            h = checkpoint(self.segment, self.a, self.inp(x), use_reentrant=True)
+            if head_inside:
+                return checkpoint(lambda t: self.head(self.segment(self.b, t)), h, use_reentrant=True)
+            return self.head(checkpoint(self.segment, self.b, h, use_reentrant=True))
 
     return SharedCheckpointed()
 
 
-def static_graph_shared_checkpointed(steps=6):
+def static_graph_shared_checkpointed(head_inside, steps=6):
     """DDP(static_graph=True) and wrap(static_graph=True) train the shared-parameter model the same;
     without static_graph, wrap refuses at the second hook firing (on every rank: same graph)."""
     import torch
@@ -245,11 +246,12 @@ def static_graph_shared_checkpointed(steps=6):
     rank, _ = init()
     batches = _batches(rank, steps)
     out = {name: _train(m, torch.optim.SGD(m.parameters(), lr=0.1), batches)
-           for name, m in (("ddp", DDP(_shared_checkpointed(), static_graph=True)),
-                           ("wrap", bxt.wrap(_shared_checkpointed(), static_graph=True, bucket_cap_mb=0.001)))}
-    out["names"] = [n for n, _ in _shared_checkpointed().named_parameters()]
+           for name, m in (("ddp", DDP(_shared_checkpointed(head_inside), static_graph=True)),
+                           ("wrap", bxt.wrap(_shared_checkpointed(head_inside), static_graph=True,
+                                             bucket_cap_mb=0.001)))}
+    out["names"] = [n for n, _ in _shared_checkpointed(head_inside).named_parameters()]
     try:
-        model = bxt.wrap(_shared_checkpointed())
+        model = bxt.wrap(_shared_checkpointed(head_inside))
         _train(model, torch.optim.SGD(model.parameters(), lr=0.1), batches[:1])
         out["without_static_graph"] = "no error"
     except Exception as e:  # noqa: BLE001 -- the message is what the test checks

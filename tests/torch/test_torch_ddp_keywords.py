@@ -72,12 +72,16 @@ def test_static_graph_with_reentrant_checkpointing_as_ddp():
                 np.testing.assert_allclose(w, d, rtol=0, atol=1e-6)  # 0.0 seen
 
 
-def test_static_graph_parameter_shared_by_two_checkpointed_segments_as_ddp():
+@pytest.mark.parametrize("head_inside", [False, True], ids=["head_outside", "head_checkpointed"])
+def test_static_graph_parameter_shared_by_two_checkpointed_segments_as_ddp(head_inside):
     """A parameter in two reentrant-checkpointed segments: its hook fires twice per backward.  With
     static_graph it is communicated after the second firing, as DDP(static_graph=True) does (before the
     fix the first firing launched its bucket: 9e-4 off DDP from the second step, ranks 3e-3 apart); without,
-    wrap refuses on every rank, naming the parameter."""
-    out = run_workers("bx_ecosystem_workers:static_graph_shared_checkpointed", nproc=2, timeout=120, env=ENV)
+    wrap refuses on every rank, naming the parameter.  With the head checkpointed too, the first hook
+    fires in a nested backward, whose end is not the end of backward (before the fix wrap ended the step
+    there: "bucket was never dispatched")."""
+    out = run_workers("bx_ecosystem_workers:static_graph_shared_checkpointed", nproc=2, args=(head_inside,),
+                      timeout=120, env=ENV)
     for r in out:
         assert len(r["wrap"]) == len(r["ddp"]) == 6
         for step_w, step_d in zip(r["wrap"], r["ddp"]):
