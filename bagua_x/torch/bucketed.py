@@ -25,6 +25,7 @@ import torch
 
 from ..algorithms.base import Algorithm
 from ..core.bucket import Bucket
+from ..core.errors import BaguaXError
 from ..core.readiness import BucketDispatcher
 from ..core.tensor import RegisteredTensor
 from .buckets import load_states, state_dict_of
@@ -144,7 +145,12 @@ class BackwardEngine(BucketedEngine):
 
     def _finish(self) -> None:
         try:
-            for t in self._counts.end():  # the first static-graph backward: reduced at its end, as in DDP
+            try:
+                final = self._counts.end()
+            except BaguaXError:  # a gradient never final, on every rank: end what was launched first
+                self._worker.wait()
+                raise
+            for t in final:  # the first static-graph backward: reduced at its end, as in DDP
                 self._on_ready(t)
             self._before_wait()
             self._worker.wait()

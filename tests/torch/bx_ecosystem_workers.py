@@ -257,3 +257,29 @@ def static_graph_shared_checkpointed(head_inside, steps=6):
     except Exception as e:  # noqa: BLE001 -- the message is what the test checks
         out["without_static_graph"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def static_graph_that_changes(steps=3):
+    """static_graph=True, but the second step runs the shared parameter's segment once instead of twice:
+    every rank refuses at the end of that backward, and the next step trains (nothing left in flight)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    import bagua_x.torch as bxt
+
+    rank, _ = init()
+    model = _shared_checkpointed(False)
+    wrapped = bxt.wrap(model, static_graph=True, bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    once = model.forward
+    errors = []
+    for step, (x, y) in enumerate(_batches(rank, steps)):
+        model.forward = (lambda x: model.head(checkpoint(model.segment, model.b, model.inp(x), use_reentrant=True))
+                         ) if step == 1 else once
+        opt.zero_grad()
+        try:
+            torch.nn.functional.mse_loss(wrapped(x), y).backward()
+            opt.step()
+        except Exception as e:  # noqa: BLE001 -- the message is what the test checks
+            errors.append((step, f"{type(e).__name__}: {e}"))
+    return {"errors": errors, "weights": [p.detach().numpy().copy() for p in model.parameters()]}

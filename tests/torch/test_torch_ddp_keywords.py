@@ -92,3 +92,14 @@ def test_static_graph_parameter_shared_by_two_checkpointed_segments_as_ddp(head_
         assert "pass wrap(..., static_graph=True)" in r["without_static_graph"]
     for a, b in zip(out[0]["wrap"][-1], out[1]["wrap"][-1]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_static_graph_that_changes_is_refused_on_every_rank_and_training_goes_on():
+    out = run_workers("bx_ecosystem_workers:static_graph_that_changes", nproc=2, timeout=120, env=ENV)
+    for r in out:
+        assert len(r["errors"]) == 1 and r["errors"][0][0] == 1, r["errors"]
+        message = r["errors"][0][1]
+        assert message.startswith("BaguaXError: bagua_x: the gradient hook of parameter 'shared."), message
+        assert "fired 1 time(s) in this backward but 2 times in the first one" in message, message
+    for a, b in zip(out[0]["weights"], out[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
