@@ -112,6 +112,10 @@ class AsyncAverageEngine:
         if self._warmup is not None:
             self._warmup.settle()
 
+    def after_forward(self, outputs) -> None:
+        if self._warmup is not None:
+            self._warmup.after_forward(outputs)
+
     def before_forward(self) -> None:
         self._raise_thread_error()
         if torch.is_grad_enabled() and not self._holding:

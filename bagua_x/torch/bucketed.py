@@ -7,7 +7,9 @@ in the same order on every rank).  It runs a bucket's ``reduce`` there, saves
 and loads the per-bucket state, and closes.
 
 :class:`BackwardEngine` adds what engines that communicate *during backward*
-share (gradients; QAdam's momentum): a hook per tensor marks it ready, a
+share (gradients; QAdam's momentum): a hook per tensor marks it ready once its
+gradient is final (:mod:`.ready_counts`: after one firing, or with
+``static_graph`` after as many as in the first backward), a
 :class:`~bagua_x.core.readiness.BucketDispatcher` launches complete buckets in
 list order, the end of backward waits for them, and a backward that raised
 before its end is settled before the next forward.  Subclasses say what a
@@ -23,12 +25,14 @@ import torch
 
 from ..algorithms.base import Algorithm
 from ..core.bucket import Bucket
+from ..core.errors import BaguaXError
 from ..core.readiness import BucketDispatcher
 from ..core.tensor import RegisteredTensor
 from .buckets import load_states, state_dict_of
 from .checks import check_finite, non_finite_tensors
 from .communicator import TorchCommunicator
 from .engine import EngineOptions
+from .ready_counts import ReadyCounts
 from .runtime import BackwardHooks, CommWorker
 from .stall import StallInspector
 
@@ -105,14 +109,20 @@ class BackwardEngine(BucketedEngine):
         self.find_unused = options.find_unused_parameters
         self._tensors = list(tensors)
         self._dispatcher: Optional[BucketDispatcher] = None
-        self._hooks = BackwardHooks(tensors, self._on_ready, self._finish, lambda: self.enabled)
+        self._counts = ReadyCounts(tensors, options.static_graph)
+        self._hooks = BackwardHooks(tensors, self._on_hook, self._finish, lambda: self.enabled)
 
     def _set_buckets(self, buckets: list[Bucket], states: list[dict]) -> None:
         self.buckets, self.states = buckets, states
         self._dispatcher = BucketDispatcher(buckets, self._launch)
 
+    def _on_hook(self, t: RegisteredTensor) -> None:
+        if self._counts.fire(t):
+            self._on_ready(t)
+
     def _on_ready(self, t: RegisteredTensor) -> None:
-        """``t``'s hook in backward: make its effective tensor final, then ``t.mark_ready()``."""
+        """``t``'s gradient is final in this backward (its hook's last firing, see :mod:`.ready_counts`):
+        make its effective tensor final, then ``t.mark_ready()``."""
         raise NotImplementedError
 
     def _launch(self, bucket: Bucket) -> None:
@@ -135,22 +145,34 @@ class BackwardEngine(BucketedEngine):
 
     def _finish(self) -> None:
         try:
+            try:
+                final = self._counts.end()
+            except BaguaXError:  # a gradient never final, on every rank: end what was launched first
+                self._worker.wait()
+                raise
+            for t in final:  # the first static-graph backward: reduced at its end, as in DDP
+                self._on_ready(t)
             self._before_wait()
             self._worker.wait()
             self._dispatcher.check_all_dispatched()
             self._after_wait()
         finally:
             self._dispatcher.reset()
+            self._counts.reset()
 
     def settle(self) -> None:
         """Before a forward: end the communication of a backward that raised before its end-of-backward callback."""
         if self._hooks.queued:
-            self._hooks.queued = False
+            self._hooks.abandon()
             self._dispatcher.reset()
+            self._counts.reset()
             self._worker.wait()  # let buckets already launched finish, so collectives stay paired
 
     def before_forward(self) -> None:
         """Communication happens during backward: nothing starts at forward."""
+
+    def after_forward(self, outputs) -> None:
+        self._hooks.watch(outputs)
 
     def close(self) -> None:
         self._hooks.remove()

@@ -2,8 +2,9 @@
 
 Each keyword is either honoured or refused here, before any collective, with
 the reason it does not apply: bagua_x runs one process per device on the
-device the parameters are on, always keeps gradients as bucket views, and
-fixes its buckets at wrap.
+device the parameters are on and always keeps gradients as bucket views.
+``static_graph`` needs no check: the backward engines honour it
+(:mod:`.ready_counts`).
 """
 
 from typing import Any, Optional, Sequence, Union

@@ -6,8 +6,8 @@ it, and hooks backward or the optimizer step.  The wrapper
 (:class:`~bagua_x.torch.wrap.DistributedModel`) picks the engine from the
 algorithm's declared ``target`` and ``phase`` and then only talks to it
 through :class:`Engine`: once per forward ``settle()`` (communication still in
-flight ends, so the wrapper may use the process group) and
-``before_forward()``; ``enabled`` is False inside ``no_sync()``.
+flight ends, so the wrapper may use the process group), ``before_forward()``
+and ``after_forward(outputs)``; ``enabled`` is False inside ``no_sync()``.
 
 =====================  ==================================  ========================================
 engine                 algorithms                          communicates
@@ -44,6 +44,7 @@ class EngineOptions:
     optimizer: Optional[torch.optim.Optimizer] = None
     find_unused_parameters: bool = False
     check_finite: bool = False
+    static_graph: bool = False  # backward engines: hook firings per backward learnt once (see .ready_counts)
 
 
 class Engine(Protocol):
@@ -58,6 +59,9 @@ class Engine(Protocol):
 
     def before_forward(self) -> None:
         """Start what the algorithm does at forward (Decentralized's exchange, QAdam's switch at warmup's end)."""
+
+    def after_forward(self, outputs) -> None:
+        """See the forward's ``outputs`` (e.g. to end communication where backward ends, :class:`.runtime.BackwardHooks`)."""
 
     def state_dict(self) -> dict:
         """Per-bucket algorithm state, copied."""

@@ -86,14 +86,15 @@ class GradientEngine(BackwardEngine):
         """Bucket ``tensors`` in this order (gradients move into the new buffers) with fresh algorithm state.
 
         Old buffers are released one by one first (their gradients copied out), so a rebuild
-        holds the gradients once plus one bucket, not in two full sets of buffers.
+        holds the gradients once plus one bucket, not in two full sets of buffers.  The cached
+        views go first: each one keeps its old buffer alive.
         """
+        self._views = {}
         for bucket in self.buckets:
             for t in bucket.tensors:
                 if t.proxy.grad is not None:
                     t.proxy.grad = t.proxy.grad.clone()
             bucket.buffer = None
-        self._views = {}
         buckets = build_buckets(tensors, self.algorithm, self.comm.size, self._cap, "grad_bucket_",
                                 make=_grad_bucket)
         self._set_buckets(buckets, [self.algorithm.init(b.buffer, b.layout, self.comm.size) for b in buckets])

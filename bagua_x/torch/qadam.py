@@ -161,6 +161,9 @@ class MomentumEngine:
         self._phase.close()
         self._phase = self._start_phase(warmup)
 
+    def after_forward(self, outputs) -> None:
+        self._phase.after_forward(outputs)
+
     def state_dict(self) -> dict:
         """QAdam's state is the optimizer's own (``optimizer.state_dict()``, step counter included)."""
         return {}

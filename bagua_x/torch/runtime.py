@@ -8,6 +8,7 @@ import threading
 from typing import Callable, Optional, Sequence
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
@@ -103,31 +104,52 @@ class CommWorker:
 class BackwardHooks:
     """``on_ready(t)`` from each parameter's post-accumulate-grad hook, then ``on_end()`` once per backward.
 
-    ``on_end`` is queued on the autograd engine at the first hook of a backward
-    pass (as DDP does), so it runs after the whole backward, before
-    ``loss.backward()`` returns.  ``active()`` is checked at each hook: inside
-    ``no_sync()`` nothing happens.
+    ``on_end`` runs after the whole backward, before ``loss.backward()``
+    returns: it is queued on the autograd engine's graph task when backward
+    reaches the forward's outputs (:meth:`watch`), or else at the first hook.
+    The outputs come first because a hook may fire inside a nested backward
+    (reentrant activation checkpointing), whose end is not the end of
+    backward.  It runs only if a hook fired (a backward that reaches the
+    outputs but no parameter, e.g. a gradient of the input, is not a step).
+    ``active()`` is checked at each hook: inside ``no_sync()`` nothing happens.
     """
 
     def __init__(self, tensors: Sequence[RegisteredTensor], on_ready: Callable[[RegisteredTensor], None],
                  on_end: Callable[[], None], active: Callable[[], bool]):
         self._on_ready, self._on_end, self._active = on_ready, on_end, active
         self.queued = False
+        self._fired = False
         self._handles = [
             t.proxy.register_post_accumulate_grad_hook(functools.partial(self._hook, t)) for t in tensors
         ]
 
+    def watch(self, outputs) -> None:
+        """Queue ``on_end`` when backward reaches a tensor of ``outputs`` (a forward's, any nesting of
+        lists, tuples and dicts): that is the outermost backward, before any parameter's hook."""
+        for t in tree_leaves(outputs):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.grad_fn.register_prehook(self._queue_end)
+
+    def _queue_end(self, *_) -> None:
+        if self._active() and not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+
     def _hook(self, tensor: RegisteredTensor, _param) -> None:
         if not self._active():
             return
-        if not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+        self._queue_end()
+        self._fired = True
         self._on_ready(tensor)
 
     def _end(self) -> None:
-        self.queued = False
-        self._on_end()
+        fired, self.queued, self._fired = self._fired, False, False
+        if fired:
+            self._on_end()
+
+    def abandon(self) -> None:
+        """A backward that raised before its end: its ``on_end`` will not run."""
+        self.queued = self._fired = False
 
     def remove(self) -> None:
         for h in self._handles:

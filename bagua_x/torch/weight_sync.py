@@ -90,6 +90,10 @@ class WeightEngine(BucketedEngine):
             self._submit(i, flat)
         self._in_flight = flats
 
+    def after_forward(self, outputs) -> None:
+        if self._hooks is not None:
+            self._hooks.watch(outputs)
+
     def _finish(self) -> None:
         if self._in_flight is None:
             return

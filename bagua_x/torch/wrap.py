@@ -50,7 +50,7 @@ class DistributedModel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], algorithm: Algorithm,
                  process_group: Optional[dist.ProcessGroup], bucket_cap_mb: float, find_unused_parameters: bool,
                  broadcast_buffers: bool, timeout: Union[None, float, datetime.timedelta], check_finite: bool,
-                 local_world_size: Optional[int] = None):
+                 static_graph: bool, local_world_size: Optional[int] = None):
         super().__init__()
         self.module = module
         self.algorithm = algorithm
@@ -64,7 +64,8 @@ class DistributedModel(torch.nn.Module):
         problem = input_problem(module)
         check_same_model(module, {"algorithm": algorithm.hyperparameters(), "bucket_cap_mb": bucket_cap_mb,
                                   "find_unused_parameters": find_unused_parameters, "timeout": self.timeout,
-                                  "check_finite": check_finite, "input check": problem or "passed"}, process_group)
+                                  "check_finite": check_finite, "static_graph": static_graph,
+                                  "input check": problem or "passed"}, process_group)
         if problem:
             raise BaguaXError(f"bagua_x.torch.wrap: {problem}")
         params = list(module.parameters())
@@ -74,7 +75,8 @@ class DistributedModel(torch.nn.Module):
         self._buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
         self._sync_buffers_next = True
         options = EngineOptions(bucket_cap_mb=bucket_cap_mb, optimizer=optimizer,
-                                find_unused_parameters=find_unused_parameters, check_finite=check_finite)
+                                find_unused_parameters=find_unused_parameters, check_finite=check_finite,
+                                static_graph=static_graph)
         self._engine: Engine = _engine_class(algorithm)(list(module.named_parameters()), algorithm, self.comm,
                                                           options=options)
 
@@ -91,6 +93,7 @@ class DistributedModel(torch.nn.Module):
             broadcast_tensors(self._buffers_to_sync, self.process_group, timeout=self.timeout)
         self._engine.before_forward()
         out = self.module(*args, **kwargs)
+        self._engine.after_forward(out)
         # as DDP: buffers follow rank 0 before a forward that follows a synchronised one
         self._sync_buffers_next = torch.is_grad_enabled() and self._engine.enabled
         return out
@@ -198,10 +201,12 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     are not moved: pass them on the model's device.  ``gradient_as_bucket_view``:
     bagua_x always makes gradients views of the bucket buffers (True); False is
     refused, as there is no second gradient copy to give.  ``static_graph``:
-    accepted and changes nothing -- bagua_x fixes its buckets at wrap (what the
-    flag lets DDP do after its first step) and reentrant activation
-    checkpointing works either way; parameters that get no gradient still
-    need ``find_unused_parameters=True``.
+    as in DDP, the first backward counts how many times each parameter's
+    gradient hook fires (reentrant activation checkpointing fires it once per
+    checkpointed segment using the parameter) and is communicated at its end;
+    later ones communicate a parameter after that many firings.  Without it a
+    second firing raises a BaguaXError naming the parameter.  Parameters that
+    get no gradient still need ``find_unused_parameters=True``.
     """
     if not isinstance(model, torch.nn.Module):
         raise BaguaXError(f"wrap() expects a torch.nn.Module, got {type(model).__name__}")
@@ -211,4 +216,5 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     if algorithm is None:
         algorithm = optimizer.algorithm if isinstance(optimizer, QAdamOptimizer) else GradientAllReduce()
     return DistributedModel(model, optimizer, algorithm, process_group, bucket_cap_mb,
-                            find_unused_parameters, broadcast_buffers, timeout, check_finite, local_world_size)
+                            find_unused_parameters, broadcast_buffers, timeout, check_finite, static_graph,
+                            local_world_size)

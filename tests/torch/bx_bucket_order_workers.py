@@ -122,3 +122,44 @@ def in_order_keeps_buffers(steps=2):
     diff = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
     return {"pointers": pointers, "saved": saved, "names": [n for n, _ in model.named_parameters()],
             "ddp_diff": diff}
+
+
+def _memory_kb(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (the peak since the last reset) of this process, in kB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def rebuild_peak_memory(layers=8, width=1024, order=(5, 2, 7, 0, 3, 6, 1, 4), per_bucket=1):
+    """The growth of this process's peak RSS during the first backward, whose end rebuilds the buckets.
+
+    ``layers`` square weights of ``width`` (4 MB each at 1024), used in ``order`` rather than in
+    definition order, ``per_bucket`` in each bucket, so every bucket is rebuilt.  Run with
+    ``MALLOC_MMAP_THRESHOLD_`` small: every buffer is then mapped on allocation and unmapped when
+    freed, so the peak RSS (reset through ``/proc/self/clear_refs`` just before) is the peak of
+    live buffers, not of what malloc kept cached.
+    """
+    import torch
+    from torch import nn
+
+    import bagua_x.torch as bxt
+
+    rank, _ = _init()
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(width, width, bias=False) for _ in range(layers)])
+    bucket_mb = per_bucket * width * width * 4 / 2**20
+    wrapped = bxt.wrap(model, bucket_cap_mb=bucket_mb)
+    registered = [[t.name for t in b.tensors] for b in wrapped.buckets]
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(rank))
+    for i in order:
+        x = torch.tanh(model[i](x))
+    loss = x.square().mean()
+    before = _memory_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    loss.backward()
+    growth = _memory_kb("VmHWM") - before
+    rebuilt = [[t.name for t in b.tensors] for b in wrapped.buckets]
+    wrapped.shutdown()
+    return {"growth_mb": growth / 1024, "bucket_mb": bucket_mb,
+            "grads_mb": layers * width * width * 4 / 2**20, "registered": registered, "rebuilt": rebuilt}
