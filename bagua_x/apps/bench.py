@@ -6,6 +6,7 @@ capped link (a network namespace; root only).  The torch rows run every model
 of the zoo (``benchmarks/zoo.py``: an MLP, a transformer, a ResNet) with every
 algorithm; ByteGrad on the capped link also reports its limit (compute-only
 time + compressed bytes / measured link rate, ``torch_vs_ddp.py --limit``).
+The JAX rows add ByteGrad's stages one by one (``jax_stages.py``).
 """
 
 from __future__ import annotations
@@ -64,9 +65,18 @@ def measure(args) -> list[dict]:
             print(f"(not root: skipping the {args.bandwidth} capped-link runs)")
     rows = []
     jobs = [(link, model, alg) for link in links for model in args.models for alg in args.algorithms]
-    jobs += [] if args.no_jax else [(link, None, "jax") for link in links]
+    jobs += [] if args.no_jax else [(link, None, "jax") for link in links] + [(None, None, "jax-stages")]
     for link, model, what in tqdm(jobs, desc="bagua-x bench"):
         name = link or "loopback"
+        if what == "jax-stages":  # in one process: where JAX ByteGrad's time goes, stage by stage
+            r = _run([sys.executable, str(bench / "jax_stages.py"), "--iters", "5" if args.quick else "10"], None,
+                     bench)
+            for stage, ms in r["ms"].items():
+                if stage != "pmean":
+                    rows.append({"frontend": "jax", "link": "loopback", "model": f"{r['numel'] / 1e6:.1f}M bucket",
+                                 "what": f"ByteGrad stage: {stage}", "baseline": "pmean of bucket",
+                                 "baseline_ms": r["ms"]["pmean"], "bagua_x_ms": ms, "ratio": ms / r["ms"]["pmean"]})
+            continue
         if what == "jax":
             r = _run([sys.executable, str(bench / "jax_vs_pmean.py"), "--iters", "10" if args.quick else "20"],
                      link, bench)
