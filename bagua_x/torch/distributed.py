@@ -73,13 +73,13 @@ def ensure_initialized(module: torch.nn.Module, timeout: Union[None, float, date
 
 
 def check_one_gpu_per_rank(device: torch.device, group: Optional[dist.ProcessGroup], timeout: float) -> None:
-    """Raise the same BaguaXError on every rank if two ranks' models are on the same GPU.
+    """Raise the same BaguaXError on every rank if two ranks' models are on the same GPU of an NCCL group.
 
     The usual cause: ``model.cuda()`` without ``torch.cuda.set_device(LOCAL_RANK)``
     puts every rank on GPU 0, and NCCL fails at the first collective with a
     terse "Duplicate GPU detected".  Checked through the store, before any collective.
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or "nccl" not in dist.get_backend(group):  # gloo shares a GPU between ranks fine
         return
     props = torch.cuda.get_device_properties(device)
     uuid = str(getattr(props, "uuid", "")) or f"{socket.gethostname()}/{device.index}"
