@@ -135,7 +135,8 @@ def run_check(check: Check, device: str, timeout: float, env: dict) -> dict:
 def check_env(device: str, cache: str) -> dict:
     """The checks' environment: their modules importable, JAX not preallocating (torch shares the GPU),
     one fresh compile cache for the run (check 7 measures the first compile in a cache of its own)."""
-    env = {"PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), *(str(ROOT / "tests" / d) for d in ("torch", "jax")), os.environ.get("PYTHONPATH", "")]),
+    path = [str(HERE), str(ROOT), str(ROOT / "tests" / "torch"), str(ROOT / "tests" / "jax")]  # + the workers
+    env = {"PYTHONPATH": os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")]),
            "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
            "TRITON_CACHE_DIR": os.path.join(cache, "triton"), "GPU_CHECK_CACHE": cache}
     if device == "cpu":
@@ -165,9 +166,9 @@ def main(argv=None) -> int:
             left = args.budget - (time.perf_counter() - start)
             entry = run_check(check, device, min(check.timeout, left), env)
             results.append(entry)
+            problems = "; ".join(entry.get("problems", []))[:400]
             print(f"[{time.perf_counter() - start:6.1f} s] {check.number:2d} {check.name}: {entry['status']} "
-                  f"({entry['seconds']:.1f} s){'  ' + '; '.join(entry.get('problems', []))[:400] if entry.get('problems') else ''}",
-                  flush=True)
+                  f"({entry['seconds']:.1f} s) {problems}", flush=True)
     gate = next((r for r in results if r["number"] == 0), None)
     report = {"mode": "gpu" if device == "cuda" else "cpu dry run",
               "machine": {"python": platform.python_version(), "host": platform.node(),

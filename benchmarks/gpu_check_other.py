@@ -19,6 +19,7 @@ import numpy as np
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 H200_BYTES_PER_S = 4.8e12
+STEP_SLACK = 1.001  # "within one quantisation step", with room for float rounding in the ratio itself
 
 
 def result(values: dict, problems=(), judged: bool = True) -> dict:
@@ -61,7 +62,8 @@ def gate(device):
         values.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                       capability=f"{props.major}.{props.minor}", gpus=torch.cuda.device_count())
     try:
-        values["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if values["cuda"] else None
+        version = torch.cuda.nccl.version() if values["cuda"] else None  # a tuple, an int in old torch
+        values["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else version
     except Exception as e:  # noqa: BLE001
         values["nccl"] = None
         values["nccl_error"] = f"{type(e).__name__}: {e}"
@@ -133,7 +135,7 @@ def compression_kernels(device):
         got, xs = out.cpu().numpy(), x.cpu().numpy()
         entry["error_in_steps"] = max(float(np.abs(got[r] - ref.roundtrip(xs[r])).max()) / ref.step_size(xs[r])
                                       for r in range(rows))
-        if entry["error_in_steps"] > 1.0:
+        if entry["error_in_steps"] > STEP_SLACK:
             problems.append(f"{rows}x{cols}: {entry['error_in_steps']:.2f} quantisation steps from the reference")
         if not cuda:
             continue
