@@ -195,8 +195,7 @@ def bytegrad_error(wrapped, reference_model) -> float:
     plain = {n: p.grad.detach().float().cpu().numpy().ravel() for n, p in reference_model.named_parameters()}
     worst = 0.0
     for bucket in wrapped.buckets:
-        names = [slot.name for slot in bucket.layout.slots]
-        flat = np.concatenate([plain[n] for n in names])
+        flat = np.concatenate([plain[t.name] for t in bucket.tensors])
         expected = ref.bytegrad([flat])[0]
         got = torch.cat([t.proxy.grad.detach().float().reshape(-1) for t in bucket.tensors]).cpu().numpy()
         worst = max(worst, float(np.abs(got - expected).max()) / ref.step_size(flat))
