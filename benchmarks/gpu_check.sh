@@ -20,7 +20,7 @@ exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false # JAX shares the GPU with torch
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || echo "nvidia-smi unavailable"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "nvidia-smi unavailable"
 # the checks import bagua_x from this checkout either way (PYTHONPATH); the install is what a user would do
 "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . ||
   echo "pip install -e . failed; running from the checkout"
