@@ -1,0 +1,250 @@
+"""The checks of benchmarks/gpu_check.py that are not torch training: the gate (0), the compression kernels (7),
+JAX (10) and nccl4py (11), plus what every check shares (:func:`result`, the numpy reference).
+
+This module imports neither torch nor JAX at import time: the JAX check runs in a process without torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+H200_BYTES_PER_S = 4.8e12
+STEP_SLACK = 1.001  # "within one quantisation step", with room for float rounding in the ratio itself
+
+
+def result(values: dict, problems=(), judged: bool = True) -> dict:
+    """A check's outcome: measured ``values``, the criteria not met, and whether the criteria could be
+    judged at all (False in the CPU dry run for the GPU-only criteria: reported as "needs GPU")."""
+    return {"values": values, "problems": list(problems), "judged": judged}
+
+
+@functools.cache
+def numpy_reference():
+    """tests/algorithms/reference.py: every algorithm in numpy from DESIGN.md's formulas, no bagua_x code."""
+    spec = importlib.util.spec_from_file_location("bx_reference", TESTS / "algorithms" / "reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _version(module: str):
+    try:
+        return getattr(importlib.import_module(module), "__version__", "present")
+    except Exception as e:  # noqa: BLE001 - missing, or broken on import: both are findings
+        return f"MISSING ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+
+
+_JAX_PROBE = "import json, jax; print(json.dumps({'jax': jax.__version__, 'backend': jax.default_backend(), " \
+             "'devices': [str(d) for d in jax.devices()]}))"
+
+
+# -- 0 ---------------------------------------------------------------------------------------------------------
+def gate(device):
+    """Versions and devices; JAX is asked in a process of its own (it must not share this one with torch)."""
+    import torch
+
+    values = {name: _version(name) for name in ("torch", "triton", "jax", "jaxlib", "flax", "optax", "lightning",
+                                                "nccl.core", "numpy", "array_api_compat")}
+    values["cuda"] = torch.cuda.is_available()
+    values["torch.version.cuda"] = torch.version.cuda
+    if values["cuda"]:
+        props = torch.cuda.get_device_properties(0)
+        values.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                      capability=f"{props.major}.{props.minor}", gpus=torch.cuda.device_count())
+    try:
+        version = torch.cuda.nccl.version() if values["cuda"] else None  # a tuple, an int in old torch
+        values["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else version
+    except Exception as e:  # noqa: BLE001
+        values["nccl"] = None
+        values["nccl_error"] = f"{type(e).__name__}: {e}"
+    probe = subprocess.run([sys.executable, "-c", _JAX_PROBE], capture_output=True, text=True, timeout=90)
+    try:
+        values["jax_probe"] = json.loads(probe.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        values["jax_probe"] = {"error": (probe.stderr or probe.stdout)[-600:]}
+    problems = []
+    if device == "cuda":
+        if not values["cuda"]:
+            problems.append("CUDA is not available to torch")
+        if not values["nccl"]:
+            problems.append("torch has no NCCL")
+        if values["jax_probe"].get("backend") != "gpu":
+            problems.append(f"JAX has no GPU devices: {values['jax_probe']}")
+        if str(values["triton"]).startswith("MISSING"):
+            problems.append(f"Triton: {values['triton']}")
+    return result(values, problems, judged=device == "cuda")
+
+
+# -- 7 ---------------------------------------------------------------------------------------------------------
+def compression_kernels(device):
+    """ByteGrad's round trip (compress_rows, then decompress_rows into the bucket) at its real shapes.
+
+    Bandwidth model, 9 bytes per element: the float32 read (4) and written back (4) and the byte written (1);
+    the byte read back mostly comes from L2 at these sizes.  "Eager" is the same code with the compiler
+    unregistered; the first call of each shape, in a compile cache of its own, is the compile time.
+    """
+    cache = os.environ.get("GPU_CHECK_CACHE")
+    if cache:  # before torch is imported: a cache no other check has filled
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "first-compile", "inductor")
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "first-compile", "triton")
+    import time
+    import warnings
+
+    import torch
+
+    from bagua_x.algorithms import compression as C
+    from bagua_x.algorithms.kernels import unregister_compiler
+    from bagua_x.torch import kernels as torch_kernels
+    from compression_throughput import peak_bandwidth
+    from gpu_check_torch import seconds_per_call
+
+    cuda = device == "cuda"
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(0)
+    shapes = [(1, 6_553_600), (8, 819_200), (8, 8_388_608)] if cuda else [(1, 65_536), (8, 8_192)]
+    peak = (peak_bandwidth(torch.cuda.get_device_name(0)) or H200_BYTES_PER_S) if cuda else None
+    ref = numpy_reference()
+    values, problems = {"peak_bytes_per_s": peak}, []
+    for rows, cols in shapes:
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows + cols)).to(dev)
+        out = torch.empty_like(x)
+
+        def roundtrip():
+            return C.decompress_rows(C.compress_rows(x), out=out)
+
+        entry = values[f"{rows}x{cols}"] = {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            t0 = time.perf_counter()
+            roundtrip()
+            if cuda:
+                torch.cuda.synchronize()
+            entry["first_call_s"] = round(time.perf_counter() - t0, 2)
+        entry["fallback_warnings"] = [str(w.message)[:300] for w in caught]
+        got, xs = out.cpu().numpy(), x.cpu().numpy()
+        entry["error_in_steps"] = max(float(np.abs(got[r] - ref.roundtrip(xs[r])).max()) / ref.step_size(xs[r])
+                                      for r in range(rows))
+        if entry["error_in_steps"] > STEP_SLACK:
+            problems.append(f"{rows}x{cols}: {entry['error_in_steps']:.2f} quantisation steps from the reference")
+        if not cuda:
+            continue
+        compiled = seconds_per_call(roundtrip, dev, 20)
+        unregister_compiler(torch_kernels.NAMESPACE)
+        try:
+            eager = seconds_per_call(roundtrip, dev, 5)
+        finally:
+            torch_kernels.install()
+        fraction = 9 * rows * cols / compiled / peak
+        entry.update(compiled_ms=1e3 * compiled, eager_ms=1e3 * eager, speedup=eager / compiled,
+                     fraction_of_peak=fraction)
+        if entry["fallback_warnings"]:
+            problems.append(f"{rows}x{cols}: kernels fell back to eager: {entry['fallback_warnings'][0]}")
+        if fraction < 0.4:
+            problems.append(f"{rows}x{cols}: {fraction:.1%} of HBM bandwidth (< 40 %)")
+        if eager / compiled < 5:
+            problems.append(f"{rows}x{cols}: {eager / compiled:.1f}x eager (< 5x)")
+        if entry["first_call_s"] > 60:
+            problems.append(f"{rows}x{cols}: first call (compile) took {entry['first_call_s']:.0f} s (> 60 s)")
+    return result(values, problems)
+
+
+# -- 10 --------------------------------------------------------------------------------------------------------
+def jax_transfer_guard(device):
+    """Gradient algorithms under pmap and shard_map on every local device (one GPU), the steps under
+    ``jax.transfer_guard("disallow")``: every transfer explicit, set-up and one warm-up step outside."""
+    import jax
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import bagua_x.jax as bxj
+    from bagua_x.algorithms import ByteGrad, GradientAllReduce
+    from bx_jax_workers import loss_fn, make_data, make_params
+
+    devices = jax.local_devices()
+    values, problems = {"backend": jax.default_backend(), "devices": [str(d) for d in devices]}, []
+    if device == "cuda" and jax.default_backend() != "gpu":
+        problems.append(f"JAX runs on {jax.default_backend()}, not the GPU")
+    params = make_params(0)
+    x, y = make_data(3, len(devices))
+    mesh = Mesh(np.array(devices), ("batch",))
+    data = NamedSharding(mesh, P("batch"))  # the batch axis over the devices: pmap's layout and shard_map's
+    for algorithm in (GradientAllReduce(), ByteGrad()):
+        dp = bxj.wrap(params, algorithm=algorithm)
+        tx = optax.chain(dp.gradient_transformation(), optax.adam(1e-2))
+
+        def step(p, o, xb, yb):
+            u, o = tx.update(jax.grad(loss_fn)(p, xb, yb), o, p)
+            return optax.apply_updates(p, u), o
+
+        def block_step(p, o, xb, yb):  # shard_map hands each device a (1, ...) block of the batch axis
+            return step(p, o, xb[0], yb[0])
+
+        modes = {
+            "pmap": (jax.pmap(step, axis_name="batch"), dp.replicate(params), dp.replicate(tx.init(params))),
+            "shard_map": (jax.jit(jax.shard_map(block_step, mesh=mesh, in_specs=(P(), P(), P("batch"), P("batch")),
+                                                out_specs=(P(), P()))),
+                          dp.replicate(params, mesh), dp.replicate(tx.init(params), mesh)),
+        }
+        for mode, (f, p, o) in modes.items():
+            batches = [(jax.device_put(x[s], data), jax.device_put(y[s], data)) for s in range(len(x))]
+            key = f"{type(algorithm).__name__} {mode}"
+            try:
+                p, o = jax.block_until_ready(f(p, o, *batches[0]))
+                with jax.transfer_guard("disallow"):
+                    for xb, yb in batches[1:]:
+                        p, o = jax.block_until_ready(f(p, o, xb, yb))
+                leaves = jax.device_get(jax.tree.leaves(p))
+                values[key] = "ran" if all(np.isfinite(a).all() for a in leaves) else "non-finite params"
+                if values[key] != "ran":
+                    problems.append(f"{key}: {values[key]}")
+            except Exception as e:  # noqa: BLE001 - a guarded transfer, or anything else: the finding
+                values[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                problems.append(f"{key}: {values[key]}")
+    return result(values, problems)
+
+
+# -- 11 --------------------------------------------------------------------------------------------------------
+def nccl_streams(device):
+    """The input made on one stream (behind a 100 ms GPU sleep), the communicator on another: the collectives
+    must wait for the input (DLPack's stream handshake), then give exact results."""
+    import torch
+
+    try:
+        importlib.import_module("nccl.core")
+    except ImportError as e:
+        return result({"nccl4py": f"MISSING ({e})"},
+                      ["missing piece: nccl4py is not installed (pip install 'bagua-x[nccl]')"])
+    from bagua_x.core import ReduceOp
+    from bagua_x.nccl import NcclCommunicator
+    from gpu_check_torch import pause
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    producer, comm_stream = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    comm = NcclCommunicator(0, 1, device=0, stream=comm_stream)
+    n = 1 << 22
+    expected = (np.arange(n) % 7).astype(np.float32)
+    try:
+        with torch.cuda.stream(producer):
+            pause(dev, 0.1)  # the input is not there for 100 ms: a communicator that does not wait reads garbage
+            x = torch.arange(n, device=dev, dtype=torch.float32).remainder_(7)
+            outs = {"sum": comm.allreduce(x), "avg": comm.allreduce(x, ReduceOp.AVG),
+                    "allgather": comm.allgather(x), "broadcast": comm.broadcast(x, root=0)}
+        torch.cuda.synchronize()
+        errors = {k: float(np.abs(v.cpu().numpy().reshape(-1) - expected).max()) for k, v in outs.items()}
+        errors["input"] = float(np.abs(x.cpu().numpy() - expected).max())
+    finally:
+        comm.close()
+    problems = [f"{k}: differs by {v}" for k, v in errors.items() if v != 0.0]
+    return result({"max_error": errors, "nccl4py": _version("nccl.core")}, problems)
