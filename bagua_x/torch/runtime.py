@@ -154,9 +154,11 @@ class CommWorker:
         if error is not None:
             raise error
 
-    def close(self) -> None:
-        """Stop the thread once the jobs queued so far have run."""
+    def close(self, join: bool = False) -> None:
+        """Stop the thread once the jobs queued so far have run (``join``: and wait for that)."""
         self._jobs.put(None)
+        if join:
+            self._thread.join()
 
 
 class BackwardHooks:
