@@ -97,6 +97,7 @@ def use(stream: Stream):
 
 def keep_for(tensor: torch.Tensor, stream: Stream) -> None:
     """``tensor``'s memory is not reused before the work queued on ``stream`` so far is done."""
+    _trace("keep_for", stream)
     if stream.cuda is not None and tensor.is_cuda:
         tensor.record_stream(stream.cuda)
 

@@ -18,7 +18,7 @@ def check_stream_order(trace, sides):
     it, runs the job and records its completion; every wait_stream of the current stream on a side stream comes
     once all jobs submitted so far were launched. Returns (jobs, wait_streams)."""
     for side in sides:
-        ops = [op for op, stream in trace if stream == side]
+        ops = [op for op, stream in trace if stream == side and op != "keep_for"]
         assert ops[0] == "use" and "use" not in ops[1:], ops  # every job runs inside use(side)
         assert ops[1:] == ["wait", "record"] * ((len(ops) - 1) // 2) and len(ops) > 1, ops
     recorded = waits = done = wait_streams = 0
@@ -49,6 +49,9 @@ def test_engines_hand_buckets_over_through_stream_events(kind):
         assert wait_streams == steps
         if kind != "qadam":  # QAdam's warmup step has gradient buckets, the others momentum buckets
             assert jobs == steps * out["buckets"]
+        # Decentralized's snapshot is made on the compute stream and exchanged on the side stream
+        kept = [op for op, stream in out["trace"] if op == "keep_for" and stream == SIDES[kind][0]]
+        assert len(kept) == (jobs if kind == "decentralized" else 0)
 
 
 def test_comm_hook_runs_on_its_stream_after_ddps():
@@ -60,8 +63,9 @@ def test_comm_hook_runs_on_its_stream_after_ddps():
 
 
 def test_collective_past_its_deadline_on_the_device_is_reported():
-    """NCCL's wait returns at once: a collective that never finishes on the device is found by polling its
-    completion event, and the next bagua_x call raises the stall report naming the bucket, about `timeout` later."""
+    """NCCL's wait returns at once: a collective that never finishes on the device is found by the communication
+    thread polling its completion event while idle, and the next bagua_x call (a forward) raises the stall report
+    naming the bucket, about `timeout` after the collective was launched."""
     timeout = 3.0
     for out in run_workers("bx_stream_workers:device_deadline", nproc=2, timeout=120, env=ENV, args=(timeout,)):
         assert out["type"] == "BaguaXError", out
