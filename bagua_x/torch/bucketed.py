@@ -3,15 +3,17 @@
 :class:`BucketedEngine` holds what all of them have: the algorithm, the
 communicator, the buckets with their per-bucket state, and one communication
 thread (:class:`~.runtime.CommWorker`, whose single thread keeps collectives
-in the same order on every rank).  It runs a bucket's ``reduce`` there, saves
-and loads the per-bucket state, and closes.
+in the same order on every rank, and communicates on a CUDA stream of its
+own: the stream rules live there and in :mod:`.streams`).  It runs a bucket's
+``reduce`` there, saves and loads the per-bucket state, and closes.
 
 :class:`BackwardEngine` adds what engines that communicate *during backward*
 share (gradients; QAdam's momentum): a hook per tensor marks it ready once its
 gradient is final (:mod:`.ready_counts`: after one firing, or with
 ``static_graph`` after as many as in the first backward), a
 :class:`~bagua_x.core.readiness.BucketDispatcher` launches complete buckets in
-list order, the end of backward waits for them, and a backward that raised
+list order, the end of backward waits for them (until all are launched; then
+the caller's stream waits for the communication stream), and a backward that raised
 before its end is settled before the next forward.  Subclasses say what a
 tensor's hook does (:meth:`BackwardEngine._on_ready`) and may add work before
 the wait (:meth:`BackwardEngine._before_wait`).
@@ -161,12 +163,14 @@ class BackwardEngine(BucketedEngine):
             self._counts.reset()
 
     def settle(self) -> None:
-        """Before a forward: end the communication of a backward that raised before its end-of-backward callback."""
+        """Before a forward: end the communication of a backward that raised before its end-of-backward
+        callback; raise a timeout the communication thread found since the last backward."""
         if self._hooks.queued:
             self._hooks.abandon()
             self._dispatcher.reset()
             self._counts.reset()
             self._worker.wait()  # let buckets already launched finish, so collectives stay paired
+        self._worker.check()
 
     def before_forward(self) -> None:
         """Communication happens during backward: nothing starts at forward."""

@@ -25,10 +25,14 @@ the state per parameter position and resumes bitwise, whichever grouping
 comes next.
 
 DDP calls the hook from backward, in bucket order, on every rank.  The hook
-only queues the bucket on one communication thread (FIFO, so collectives keep
-that order on every rank) and returns a ``torch.futures.Future`` that the thread
-completes: backward goes on while the algorithm communicates, and DDP waits
-for the futures at the end of backward.  The thread uses its own process group
+only queues the bucket on one communication thread (a
+:class:`~.runtime.CommWorker`: FIFO, so collectives keep that order on every
+rank) and returns a ``torch.futures.Future`` that the thread completes:
+backward goes on while the algorithm communicates, and DDP waits for the
+futures at the end of backward.  On CUDA the thread runs on a stream of its
+own, after an event recorded on the stream DDP called the hook on, and the
+future is CUDA-aware (:func:`.streams.future`): completed while that stream is
+current, so DDP's stream waits for the reduction without a host sync.  The thread uses its own process group
 (made from DDP's ranks), so its collectives never interleave with the ones DDP
 issues itself (buffer broadcasts, the unused-parameter map).
 
@@ -38,7 +42,6 @@ optimizer state after the step, which DDP never hands to a hook; use
 :func:`bagua_x.torch.wrap` for those.
 """
 
-import concurrent.futures
 import logging
 from typing import Optional
 
@@ -49,8 +52,10 @@ from ..algorithms.base import Algorithm, Phase, Target
 from ..core.bucket import BucketLayout
 from ..core.comm import Feature
 from ..core.errors import BaguaXError
+from . import streams
 from .bucketed import run_reduce
 from .communicator import TorchCommunicator
+from .runtime import CommWorker
 
 __all__ = ["CommHookState", "comm_hook"]
 
@@ -100,13 +105,17 @@ class CommHookState:
         self._loose: "dict[int, dict]" = {}
         self._positions: "dict[int, int]" = {}  # id(parameter) -> position, in the order the hook first sees them
         self._parameters: "list[torch.Tensor]" = []  # kept alive, so no other tensor takes their ids
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bagua_x-comm-hook")
+        self._worker: Optional[CommWorker] = None  # started at the first bucket, on the gradients' device
 
     def submit(self, bucket: dist.GradBucket) -> "torch.futures.Future[torch.Tensor]":
         """Queue ``bucket`` on the communication thread; the future gets its reduced buffer."""
-        fut = torch.futures.Future()
+        index, buffer = bucket.index(), bucket.buffer()
+        if self._worker is None:
+            self._worker = CommWorker("bagua_x-comm-hook", buffer.device)
+        fut = streams.future(buffer.device)
         layout = bucket_layout(bucket, self.algorithm.alignment(self.comm.size))
-        self._thread.submit(self._reduce, bucket.index(), self._keys(bucket), bucket.buffer(), layout, fut)
+        keys = self._keys(bucket)
+        self._worker.submit(f"DDP bucket {index}", lambda: self._reduce(index, keys, buffer, layout, fut))
         return fut
 
     def _keys(self, bucket: dist.GradBucket) -> "tuple[int, ...]":
@@ -122,6 +131,7 @@ class CommHookState:
 
     def _reduce(self, index: int, keys: "tuple[int, ...]", buffer: torch.Tensor, layout: BucketLayout,
                 fut: torch.futures.Future) -> None:
+        """On the communication thread, its stream current (so ``set_result`` hands DDP that stream's work)."""
         try:
             padded = layout.padded_numel - buffer.numel()
             flat = torch.cat([buffer, buffer.new_zeros(padded)]) if padded else buffer
@@ -182,7 +192,8 @@ class CommHookState:
 
     def close(self) -> None:
         """Stop the communication thread (after the last backward)."""
-        self._thread.shutdown(wait=True)
+        if self._worker is not None:
+            self._worker.close(join=True)
 
 
 # annotations evaluated (no ``from __future__ import annotations``): DDP's register_comm_hook checks them

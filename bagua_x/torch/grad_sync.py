@@ -5,7 +5,11 @@ Each gradient is a view of its bucket's flat buffer (like DDP's
 buffer and communicating it needs no copy.  A post-accumulate-grad hook marks
 a parameter ready; when a bucket is complete, BucketDispatcher hands it (in
 the same fixed order on every rank) to one communication thread that runs the
-algorithm while backward goes on.  At the end of backward the engine waits.
+algorithm while backward goes on.  On CUDA the thread's stream first waits
+for an event recorded in the hook on the stream that produced the gradients,
+and at the end of backward the caller's stream waits for the thread's stream
+(:class:`~.runtime.CommWorker`): the optimizer never reads a gradient the
+collective is still writing, and nothing blocks the host.
 
 A gradient recreated since the last step (``zero_grad(set_to_none=True)``, a
 user assigning ``p.grad``) is no longer a view: its hook copies it into the
@@ -33,6 +37,7 @@ from ..algorithms.base import Algorithm, Target
 from ..core.bucket import Bucket
 from ..core.comm import ReduceOp
 from ..core.tensor import RegisteredTensor
+from . import streams
 from .bucket_order import ORDER_KEY, agree_on_order, check_order, complete_order, ordered
 from .bucketed import BackwardEngine
 from .buckets import build_buckets, register_parameters
@@ -174,6 +179,7 @@ class GradientEngine(BackwardEngine):
         for t in self._dispatcher.unready_tensors():
             had_none[self._index[t.name]] = int(t.proxy.grad is None)
             self._on_ready(t)
+        streams.keep_for(had_none, self._worker.stream)  # made on this stream, used on the communication one
         self._worker.submit("the unused-parameter check",
                             lambda: had_none.copy_(self.comm.allreduce(had_none, ReduceOp.MIN)))
         return had_none

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import functools
+import logging
 import queue
 import threading
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -13,92 +16,149 @@ from torch.utils._pytree import tree_leaves
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from ..core.tensor import RegisteredTensor
+from . import streams
 from .stall import StallInspector
 
 __all__ = ["CommWorker", "BackwardHooks"]
 
+log = logging.getLogger(__name__)
+
 
 class CommWorker:
-    """One background thread that runs communication jobs in submission order.
+    """One background thread that runs communication jobs in submission order, on a CUDA stream of its own.
 
     A single thread keeps collectives in the same order on every rank (the
     order the main thread submits them in, which BucketDispatcher fixes) while
     letting them overlap with backward on the main thread.
 
-    ``wait`` is bounded by ``timeout`` seconds: a collective stuck in C++
-    (a peer died or stopped communicating) cannot be interrupted, but the
-    caller gets a BaguaXError naming the bucket and, from the
-    :class:`StallInspector`, the ranks that had not marked it ready.  After a
-    timeout the worker stays broken: every later ``wait`` raises at once.
+    Streams (:mod:`.streams`, as DDP's reducer): :meth:`submit` records an
+    event on the caller's current stream, the one that produced the bucket's
+    values; the thread makes its side stream (``stream``) wait for that event
+    and runs the job with the side stream current, so a collective never reads
+    a bucket before the kernels writing it, nor queues in front of the compute
+    stream.  :meth:`wait` returns once every job has been *launched* and makes
+    the caller's current stream wait for the side stream: no host sync.  On
+    the CPU a launched job is a finished one.
+
+    Bounds, ``timeout`` seconds: a job that blocks the thread (gloo's wait, a
+    collective stuck in C++) cannot be interrupted, but :meth:`wait` gives up
+    after ``timeout`` with a BaguaXError naming the bucket and, from the
+    :class:`StallInspector`, the ranks that had not marked it ready.  A job
+    whose collective runs on after it returns (NCCL) is followed by an event
+    on the side stream with a deadline (launch + ``timeout``); the thread
+    polls the oldest such event while idle (``event.query()``, no blocking)
+    and a missed deadline breaks the worker with the same report, raised on
+    the training thread at its next :meth:`wait` or :meth:`check`.  A broken
+    worker stays broken: every later ``wait`` raises at once.
     """
 
-    def __init__(self, name: str, device: Optional[torch.device] = None, timeout: Optional[float] = None,
+    def __init__(self, name: str, device: torch.device, timeout: Optional[float] = None,
                  inspector: Optional[StallInspector] = None):
         self._device = device
         self._timeout = timeout
         self._inspector = inspector
+        self.stream = streams.side(device, name)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
         self._done = threading.Condition()
         self._error: Optional[BaseException] = None
         self._stuck: Optional[BaguaXError] = None
         self._current: tuple[str, Optional[Bucket]] = ("", None)
+        # (deadline, event after the job, what, bucket) of launched jobs whose work may still run, oldest first
+        self._running: collections.deque = collections.deque()
+        self._poll = None if timeout is None else min(0.05, timeout / 20)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, what: str, job: Callable[[], None], bucket: Optional[Bucket] = None) -> None:
-        """Queue ``job``; ``bucket`` (if any) is what a stall report names."""
+        """Queue ``job``, to start after the work queued so far on the caller's current stream;
+        ``bucket`` (if any) is what a stall report names."""
+        ready = streams.record(streams.current(self._device))
         with self._done:
             self._pending += 1
-        self._jobs.put((what, job, bucket))
+        self._jobs.put((what, job, bucket, ready))
 
     def _run(self) -> None:
-        if self._device is not None and self._device.type == "cuda":
-            torch.cuda.set_device(self._device)  # the current CUDA device is per thread
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            what, job, bucket = item
-            self._current = (what, bucket)
-            try:
-                if self._error is None:  # after a failure, skip the rest of the step on this rank
-                    if bucket is not None and self._inspector is not None:
-                        self._inspector.launched(bucket)
-                    job()
-            except BaseException as e:  # noqa: BLE001 -- re-raised on the main thread by wait()
-                # a BaguaXError is a check that failed (it names the tensor); anything else is communication
-                report = "" if isinstance(e, BaguaXError) else self._report(bucket)
-                self._error = BaguaXError(f"{what} failed on the communication thread: {type(e).__name__}: {e}{report}")
-                self._error.__cause__ = e
-            finally:
-                with self._done:
-                    self._pending -= 1
-                    self._done.notify_all()
+        streams.set_device(self._device)  # the current CUDA device is per thread
+        with streams.use(self.stream):
+            while True:
+                try:
+                    item = self._jobs.get(timeout=self._poll if self._running else None)
+                except queue.Empty:
+                    self._check_deadline()
+                    continue
+                if item is None:
+                    return
+                self._execute(*item)
+                self._check_deadline()
+
+    def _execute(self, what: str, job: Callable[[], None], bucket: Optional[Bucket], ready) -> None:
+        self._current = (what, bucket)
+        try:
+            if self._error is None and self._stuck is None:  # after a failure, skip the rest of the step here
+                if bucket is not None and self._inspector is not None:
+                    self._inspector.launched(bucket)
+                launched = time.monotonic()
+                streams.wait(self.stream, ready)
+                job()
+                finished = streams.record(self.stream)
+                if self._timeout is not None:
+                    self._running.append((launched + self._timeout, finished, what, bucket))
+        except BaseException as e:  # noqa: BLE001 -- re-raised on the main thread by wait()
+            # a BaguaXError is a check that failed (it names the tensor); anything else is communication
+            report = "" if isinstance(e, BaguaXError) else self._report(bucket)
+            self._error = BaguaXError(f"{what} failed on the communication thread: {type(e).__name__}: {e}{report}")
+            self._error.__cause__ = e
+        finally:
+            with self._done:
+                self._pending -= 1
+                self._done.notify_all()
+
+    def _check_deadline(self) -> None:
+        """Drop finished jobs; the oldest unfinished one past its deadline breaks the worker."""
+        while self._running and streams.done(self._running[0][1]):
+            self._running.popleft()
+        if self._running and time.monotonic() > self._running[0][0]:
+            _, _, what, bucket = self._running[0]
+            self._running.clear()
+            self._stuck = self._timed_out(what, bucket, "Its collective is still running on the device")
+            log.error("bagua_x: %s", self._stuck)  # seen even if the training thread is blocked on the device
 
     def _report(self, bucket: Optional[Bucket], stuck: bool = False) -> str:
         return self._inspector.report(bucket, stuck) if self._inspector is not None else ""
 
-    def wait(self) -> None:
-        """Block until every submitted job ran, at most ``timeout`` seconds; re-raise the first failure here."""
+    def _timed_out(self, what: str, bucket: Optional[Bucket], where: str) -> BaguaXError:
+        return BaguaXError(
+            f"{what} did not complete within {self._timeout:g} s (wrap(timeout=...)){self._report(bucket, True)}. "
+            f"{where}, so this process group cannot be used any more: exit and restart from a "
+            "checkpoint (torchrun --max-restarts restarts all ranks)"
+        )
+
+    def check(self) -> None:
+        """Raise the timeout the thread found, if any (a job past its deadline)."""
         if self._stuck is not None:
             raise self._stuck
+
+    def wait(self) -> None:
+        """Block until every submitted job was launched (at most ``timeout`` seconds), then make the caller's
+        current stream wait for them; re-raise the first failure here."""
+        self.check()
         with self._done:
-            finished = self._done.wait_for(lambda: self._pending == 0, self._timeout)
-            error, self._error = (self._error, None) if finished else (None, self._error)
-        if not finished:
+            launched = self._done.wait_for(lambda: self._pending == 0, self._timeout)
+            error, self._error = (self._error, None) if launched else (None, self._error)
+        if not launched:
             what, bucket = self._current
-            self._stuck = BaguaXError(
-                f"{what} did not complete within {self._timeout:g} s (wrap(timeout=...)){self._report(bucket, True)}. "
-                "The communication thread is still blocked in the collective, so this process group cannot be "
-                "used any more: exit and restart from a checkpoint (torchrun --max-restarts restarts all ranks)"
-            )
+            self._stuck = self._timed_out(what, bucket, "The communication thread is still blocked in the collective")
             raise self._stuck
+        streams.wait_stream(streams.current(self._device), self.stream)
         if error is not None:
             raise error
 
-    def close(self) -> None:
+    def close(self, join: bool = False) -> None:
+        """Stop the thread once the jobs queued so far have run (``join``: and wait for that)."""
         self._jobs.put(None)
+        if join:
+            self._thread.join()
 
 
 class BackwardHooks:

@@ -13,6 +13,12 @@ The rules (DDP's reducer follows the same ones):
   before the other stream is done with it.
 * A thread bagua_x starts first sets the device (:func:`set_device`): CUDA's
   current device is per thread, and defaults to GPU 0.
+* A wait for communication never blocks the host: NCCL's ``wait()`` returns
+  at once (it only orders the current stream), so a deadline is checked by
+  polling an event recorded after the work (:func:`done`).
+* A result handed to torch through a future (the DDP comm hook) goes in a
+  CUDA-aware one (:func:`future`): completed while the producing stream is
+  current, its consumers' streams wait for that stream's work.
 
 ``TRACE``: when a test sets it to a list, every call appends
 ``(operation, stream name)``, on the CPU too, so tests check the order of the
@@ -28,7 +34,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Stream", "current", "side", "record", "wait", "wait_stream", "use", "keep_for", "set_device", "TRACE"]
+__all__ = ["Stream", "current", "side", "record", "wait", "wait_stream", "use", "keep_for", "set_device", "done",
+           "future", "TRACE"]
 
 TRACE: Optional[list] = None
 _TRACE_LOCK = threading.Lock()
@@ -90,6 +97,7 @@ def use(stream: Stream):
 
 def keep_for(tensor: torch.Tensor, stream: Stream) -> None:
     """``tensor``'s memory is not reused before the work queued on ``stream`` so far is done."""
+    _trace("keep_for", stream)
     if stream.cuda is not None and tensor.is_cuda:
         tensor.record_stream(stream.cuda)
 
@@ -98,3 +106,15 @@ def set_device(device: torch.device) -> None:
     """Make ``device`` the calling thread's CUDA device (at the start of every thread bagua_x starts)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def done(event: Optional[Any]) -> bool:
+    """Whether the work before ``event`` has finished, without blocking (True on the CPU, whose work is
+    finished when the call that queued it returns)."""
+    return event is None or event.query()
+
+
+def future(device: torch.device) -> torch.futures.Future:
+    """A future for tensors on ``device``: on CUDA, ``set_result`` records an event on the setting thread's
+    current stream and whoever waits for the future has their current stream wait for it."""
+    return torch.futures.Future(devices=[device] if device.type == "cuda" else None)

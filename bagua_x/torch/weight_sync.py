@@ -16,6 +16,14 @@ re-points ``p.data``), so after-step algorithms work on the weights in place
 (ModelAverage copies nothing) and writing averaged weights back is one copy
 per bucket.  Decentralized exchanges a snapshot, so the exchange never races
 with forward and backward reading the parameters.
+
+Streams (:class:`~.runtime.CommWorker`): the exchange runs on the engine's own
+stream after an event recorded on the training stream when the weights (or the
+snapshot) were final; the training stream waits for the exchange's stream
+before anything reads the averaged weights (at the end of backward before the
+write-back, after the step before the next forward).  The snapshot, made on
+the training stream and exchanged on the other, is marked for it
+(``record_stream``) so its memory is not reused while the exchange runs.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import torch
 from ..algorithms.base import Algorithm, Phase, Target
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
+from . import streams
 from .bucketed import BucketedEngine
 from .buckets import build_buckets, register_parameters
 from .communicator import TorchCommunicator
@@ -75,8 +84,10 @@ class WeightEngine(BucketedEngine):
 
     # -- before forward -------------------------------------------------------------------
     def settle(self) -> None:
-        """Before a forward: land an exchange still in flight (a forward without backward since it started)."""
+        """Before a forward: land an exchange still in flight (a forward without backward since it started);
+        raise a timeout the communication thread found since."""
         self._finish()
+        self._worker.check()
 
     def before_forward(self) -> None:
         if self._hooks is None:
@@ -87,6 +98,7 @@ class WeightEngine(BucketedEngine):
         with torch.no_grad():
             flats = [self._weights(b).clone() for b in self.buckets]
         for i, flat in enumerate(flats):
+            streams.keep_for(flat, self._worker.stream)
             self._submit(i, flat)
         self._in_flight = flats
 
@@ -98,7 +110,7 @@ class WeightEngine(BucketedEngine):
         if self._in_flight is None:
             return
         flats, self._in_flight = self._in_flight, None
-        self._worker.wait()
+        self._worker.wait()  # and the training stream waits for the exchange before the write-back reads it
         with torch.no_grad():
             for b, flat in zip(self.buckets, flats):
                 self._weights(b).copy_(flat)
@@ -109,7 +121,7 @@ class WeightEngine(BucketedEngine):
             return
         for i, b in enumerate(self.buckets):
             self._submit(i, self._weights(b))  # _weights on this thread: it may re-point replaced parameters
-        self._worker.wait()
+        self._worker.wait()  # the next forward's kernels wait for the exchange
 
     @staticmethod
     def _weights(bucket: Bucket) -> torch.Tensor:

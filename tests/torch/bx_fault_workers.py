@@ -188,6 +188,7 @@ def crafted_pickle_refused(marker):
     """
     import pickle
 
+    import torch
     import torch.distributed as dist
 
     import bagua_x.torch as bxt
@@ -201,7 +202,7 @@ def crafted_pickle_refused(marker):
     out = {}
     if rank == 1:
         agree_on_nodes(bxt.TorchCommunicator(), False)  # passes wrap's node check, as GradientAllReduce would
-        allgather_bytes(payload, None)  # where wrap() gathers model descriptions
+        allgather_bytes(payload, None, torch.device("cpu"))  # where wrap() gathers model descriptions
         dist.distributed_c10d._get_default_store().set(f"bagua_x/check/{restart_count()}/buckets/0/1", payload)
         dist.barrier()
         return out

@@ -192,7 +192,10 @@ def grads_are_bucket_views(wrapped):
     return True
 
 
-def train_vs_ddp(scenario, grad_mode="none", steps=4, micro=1, find_unused=False, device="cpu"):
+def train_vs_ddp(scenario, grad_mode="none", steps=4, micro=1, find_unused=False, device="cpu",
+                 user_stream=False):
+    """bagua_x and DDP trained side by side; ``user_stream`` (CUDA): both train on a stream of the user's,
+    not the default one, so a collective not ordered after that stream's kernels reads stale buckets."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -209,12 +212,20 @@ def train_vs_ddp(scenario, grad_mode="none", steps=4, micro=1, find_unused=False
     wd = 0.01 if find_unused else 0.0  # weight decay tells a None grad (skipped) from a zero one
     opt = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9, weight_decay=wd)
     wrapped = bxt.wrap(ours, opt, find_unused_parameters=find_unused)
-    views = _train(wrapped, opt, scenario, data, grad_mode, micro, lambda: grads_are_bucket_views(wrapped))
+    if user_stream:
+        torch.cuda.synchronize(dev)  # wrap's and DDP's broadcasts ran on the default stream
+    with torch.cuda.stream(torch.cuda.Stream(dev)) if user_stream else _nullcontext():
+        views = _train(wrapped, opt, scenario, data, grad_mode, micro, lambda: grads_are_bucket_views(wrapped))
     wrapped.shutdown()
 
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=wd)
     ddp = DDP(ref, find_unused_parameters=find_unused)
-    _train(ddp, ref_opt, scenario, data, grad_mode, micro)
+    if user_stream:
+        torch.cuda.synchronize(dev)
+    with torch.cuda.stream(torch.cuda.Stream(dev)) if user_stream else _nullcontext():
+        _train(ddp, ref_opt, scenario, data, grad_mode, micro)
+    if user_stream:
+        torch.cuda.synchronize(dev)  # the copies to the host below run on the default stream
 
     ours_state = {k: v.detach().float().cpu() for k, v in ours.state_dict().items()}
     ref_state = {k: v.detach().float().cpu() for k, v in ref.state_dict().items()}

@@ -145,5 +145,7 @@ def test_async_averaging_hands_the_weights_over_through_stream_events():
         assert thread[0] == "use" and "use" not in thread[1:]  # the whole loop runs on its own stream
         # two locked sections a round (snapshot, write-back): each starts waiting for training's event, ends recording
         assert thread[1:] == ["wait", "record"] * (2 * out["rounds"]), thread
-        # every forward (the lock is taken in warm-up too) waits for the thread's event, every step records one
-        assert training == ["wait", "record"] * 30, training
+        # every forward (the lock is taken in warm-up too) waits for the thread's event, every step records one;
+        # the 2 warm-up steps' gradient bucket adds its ready event and the end-of-backward wait for its stream
+        warmup = ["wait", "record", "wait_stream bagua_x-grad-comm", "record"]
+        assert training == warmup * 2 + ["wait", "record"] * 28, training

@@ -25,6 +25,9 @@ CASES = {
     "batchnorm": dict(scenario="bn", grad_mode="none"),
     "mixed_bf16": dict(scenario="mixed", grad_mode="zeros"),
 }
+# on CUDA also: training on a stream of the user's (the collectives must wait for its kernels, not the default's)
+GPU_CASES = {**{k: CASES[k] for k in ("set_to_none", "no_sync", "mixed_bf16")},
+             "user_stream": dict(scenario="basic", grad_mode="none", user_stream=True)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -47,7 +50,7 @@ def test_matches_ddp(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["set_to_none", "no_sync", "mixed_bf16"])
+@pytest.mark.parametrize("case", list(GPU_CASES))
 def test_matches_ddp_on_cuda_with_nccl(case):
     import torch
 
@@ -55,9 +58,10 @@ def test_matches_ddp_on_cuda_with_nccl(case):
         # one rank would communicate nothing, and NCCL refuses two ranks of one communicator on the same
         # device ("Duplicate GPU detected"); benchmarks/gpu_check.sh runs the NCCL communicator on one GPU
         pytest.skip("DDP parity over NCCL needs 2 GPUs (NCCL refuses two ranks on one GPU)")
-    kw = CASES[case]
+    kw = GPU_CASES[case]
     results = run_workers("bx_torch_workers:train_vs_ddp", nproc=2, timeout=180, env=ENV,
-                          args=(kw["scenario"], kw["grad_mode"], 4, kw.get("micro", 1), False, "cuda"))
+                          args=(kw["scenario"], kw["grad_mode"], 4, kw.get("micro", 1), False, "cuda",
+                                kw.get("user_stream", False)))
     assert len(results) == 2
     for rank, out in enumerate(results):
         assert out["diffs"], "nothing was compared with DDP"

@@ -1,0 +1,99 @@
+"""Worker functions for the stream-order and device-deadline tests (import name ``bx_stream_workers``).
+
+Each trains a few steps on a real gloo rank with ``bagua_x.torch.streams.TRACE`` on and returns the
+stream operations asked for, in order (the stream layer does nothing else on the CPU).
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def _init():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank()
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, 4))
+
+
+def stream_order(kind, steps=3):
+    """``kind``: "grad" (GradientAllReduce), "decentralized", "model_average", "qadam" (warmup 1) or "hook"
+    (a DDP comm hook); buckets of 2 KiB so there are several."""
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x import algorithms
+    from bagua_x.torch import streams
+
+    rank = _init()
+    streams.TRACE = []
+    model = _model()
+    if kind == "hook":
+        state = bxt.CommHookState(algorithms.GradientAllReduce())
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.002)
+        wrapped.register_comm_hook(state, bxt.comm_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    elif kind == "qadam":
+        opt = bxt.QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=1)
+        wrapped = bxt.wrap(model, opt, bucket_cap_mb=0.002)
+    else:
+        algorithm = {"grad": algorithms.GradientAllReduce(), "decentralized": algorithms.Decentralized(),
+                     "model_average": algorithms.ModelAverage()}[kind]
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        wrapped = bxt.wrap(model, opt, algorithm=algorithm, bucket_cap_mb=0.002)
+    torch.manual_seed(rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        wrapped(torch.randn(8, 16)).square().sum().backward()
+        opt.step()
+    if kind == "hook":
+        state.close()  # its thread may still be recording the last completion event after DDP has the result
+    trace, streams.TRACE = streams.TRACE, None
+    return {"trace": trace, "buckets": len(wrapped._engine.buckets) if kind != "hook" else None}
+
+
+class NeverDone:
+    """A CUDA event whose work never finishes: what a collective stuck on the device looks like."""
+
+    def query(self):
+        return False
+
+
+def device_deadline(timeout=3.0, seconds=12.0):
+    """GradientAllReduce whose completion events never finish (the stream layer's ``record`` patched): the
+    collective returns at once as on NCCL.  One training step, then only forwards (evaluation: no job is
+    submitted any more), so the BaguaXError can only come from the communication thread polling while idle,
+    raised by the next forward's settle."""
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x.torch import streams
+
+    rank = _init()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    wrapped = bxt.wrap(model, opt, timeout=timeout)
+    streams.record = lambda stream: (streams._trace("record", stream), NeverDone())[1]
+    start = time.monotonic()
+    try:
+        wrapped(torch.randn(8, 16)).square().sum().backward()
+        opt.step()
+        with torch.no_grad():
+            while time.monotonic() - start < seconds:
+                wrapped(torch.randn(8, 16))
+                time.sleep(0.05)
+    except Exception as e:  # noqa: BLE001 -- the test checks type and message
+        elapsed = time.monotonic() - start
+        if rank == 0:  # rank 0 hosts the store: stay until rank 1 has its report too
+            time.sleep(4)
+        return {"type": type(e).__name__, "message": str(e), "seconds": elapsed}
+    return {"type": None, "seconds": time.monotonic() - start}
