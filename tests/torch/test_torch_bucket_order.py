@@ -38,9 +38,10 @@ def test_buckets_the_ready_order_would_not_change_are_kept():
 
 def test_rebuild_frees_each_old_buffer_as_it_goes():
     """The rebuild's peak: gradients plus one bucket, not two full sets of buffers.  32 MB of gradients in
-    4 MB buckets, all rebuilt; the peak RSS grows by 5.0-5.1 MB over the first backward (one bucket and
-    ~1 MB of backward's own; 33 MB before the fix, when the cached views kept every old buffer alive)."""
+    4 MB buckets, all rebuilt; the peak RSS grows by 5.0-6.0 MB over the first backward (one bucket and
+    1-2 MB of backward's own; 33 MB before the fix, when the cached views kept every old buffer alive). The
+    bound, one bucket + 3 MB, still fails if a single old buffer outlives its replacement."""
     env = {**ENV, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed buffers go back to the system at once
     for out in run_workers("bx_bucket_order_workers:rebuild_peak_memory", nproc=2, timeout=120, env=env):
         assert len(out["rebuilt"]) == 8 and out["rebuilt"] != out["registered"], "the buckets must be rebuilt"
-        assert out["growth_mb"] <= out["bucket_mb"] + 1.5, (out["growth_mb"], out["bucket_mb"], out["grads_mb"])
+        assert out["growth_mb"] <= out["bucket_mb"] + 3.0, (out["growth_mb"], out["bucket_mb"], out["grads_mb"])
