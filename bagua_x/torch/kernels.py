@@ -64,8 +64,9 @@ def fall_back(why: str) -> None:
                       stacklevel=3)
 
 
+@functools.lru_cache(maxsize=None)
 def probe(device: torch.device) -> Optional[str]:
-    """Compile and run a small kernel on ``device``: None when it works, else why not."""
+    """Compile and run a small kernel on ``device``: None when it works, else why not (once per device)."""
     try:
         out = torch.compile(lambda x: torch.round(x * 2.5) - 1.0)(torch.arange(8.0, device=device))
         if not torch.equal(out.cpu(), torch.round(torch.arange(8.0) * 2.5) - 1.0):
