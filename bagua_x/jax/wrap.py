@@ -147,7 +147,7 @@ class DataParallel:
     def init_state(self, params: Any = None) -> tuple:
         """The algorithm state for one device: a tuple with one dict per bucket (pure, jit-safe).
 
-        Empty for a momentum algorithm (QAdam): its optimizer, :meth:`qadam`, holds the state.
+        Empty for a momentum algorithm (QAdam): its optimizer, :meth:`optimizer`, holds the state.
         """
         if self.algorithm.target is Target.MOMENTUM:
             return tuple({} for _ in self.buckets)
@@ -193,7 +193,7 @@ class DataParallel:
 
         Chain it first: ``optax.chain(dp.gradient_transformation(), optax.adam(1e-3))``.
         Only for gradient algorithms: a weight algorithm communicates with
-        :meth:`sync_params` and QAdam is its own optimizer (:meth:`qadam`), so
+        :meth:`sync_params` and QAdam is its own optimizer (:meth:`optimizer`), so
         for them this raises instead of silently communicating nothing.
         """
         import optax
