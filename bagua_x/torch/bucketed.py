@@ -38,11 +38,15 @@ from .ready_counts import ReadyCounts
 from .runtime import BackwardHooks, CommWorker
 from .stall import StallInspector
 
-__all__ = ["BucketedEngine", "BackwardEngine", "run_reduce", "reduce_bucket"]
+__all__ = ["BucketedEngine", "BackwardEngine", "reduce_in_place"]
 
 
-def run_reduce(algorithm: Algorithm, flat: torch.Tensor, layout, state: dict, comm: TorchCommunicator) -> dict:
-    """``flat <- reduce(flat)``, in place; returns the new state."""
+def reduce_in_place(algorithm: Algorithm, flat: torch.Tensor, layout, state: dict, comm: TorchCommunicator,
+                    finite: Optional[tuple[Bucket, str]] = None) -> dict:
+    """``flat <- reduce(flat)``, in place; returns the new state: the one call site of the algorithm interface
+    in the torch frontend (engines and the comm hook).  ``finite``, a bucket and what it holds ("gradient"...):
+    raise naming its tensors when a reduced value is NaN or infinite (wrap's ``check_finite``)."""
+    local_bad = non_finite_tensors(finite[0], flat) if finite else []
     if algorithm.donates_input:
         with comm.donate(flat):
             out, state = algorithm.reduce(flat, layout, state, comm)
@@ -50,16 +54,8 @@ def run_reduce(algorithm: Algorithm, flat: torch.Tensor, layout, state: dict, co
         out, state = algorithm.reduce(flat, layout, state, comm)
     if out is not flat:
         flat.copy_(out)
-    return state
-
-
-def reduce_bucket(algorithm: Algorithm, bucket: Bucket, flat: torch.Tensor, state: dict, comm: TorchCommunicator,
-                  finite: bool, what: str) -> dict:
-    """:func:`run_reduce` on one bucket's ``flat`` values, then (``finite``) the check_finite check."""
-    local_bad = non_finite_tensors(bucket, flat) if finite else []
-    state = run_reduce(algorithm, flat, bucket.layout, state, comm)
     if finite:
-        check_finite(bucket, flat, local_bad, what)
+        check_finite(finite[0], flat, local_bad, finite[1])
     return state
 
 
@@ -88,8 +84,8 @@ class BucketedEngine:
             if prepare is not None:
                 prepare()
             with torch.no_grad():
-                self.states[i] = reduce_bucket(self.algorithm, bucket, flat, self.states[i], self.comm,
-                                               self.check_finite, self.what)
+                self.states[i] = reduce_in_place(self.algorithm, flat, bucket.layout, self.states[i], self.comm,
+                                                 (bucket, self.what) if self.check_finite else None)
         self._worker.submit(f"{type(self.algorithm).__name__} on {bucket.name}", job, bucket)
 
     def state_dict(self) -> dict:

@@ -53,7 +53,7 @@ from ..core.bucket import BucketLayout
 from ..core.comm import Feature
 from ..core.errors import BaguaXError
 from . import streams
-from .bucketed import run_reduce
+from .bucketed import reduce_in_place
 from .communicator import TorchCommunicator
 from .runtime import CommWorker
 
@@ -136,7 +136,7 @@ class CommHookState:
             padded = layout.padded_numel - buffer.numel()
             flat = torch.cat([buffer, buffer.new_zeros(padded)]) if padded else buffer
             state = self._state(index, keys, flat, layout)
-            self.buckets[index] = (keys, layout, run_reduce(self.algorithm, flat, layout, state, self.comm))
+            self.buckets[index] = (keys, layout, reduce_in_place(self.algorithm, flat, layout, state, self.comm))
             if padded:
                 buffer.copy_(flat[:buffer.numel()])
             fut.set_result(buffer)
