@@ -415,33 +415,44 @@ def wrap(
     devices_per_node: Optional[int] = None,
     first_step_timeout: Optional[float] = None,
 ) -> DataParallel:
-    """Make a params pytree data parallel with ``algorithm`` (default :class:`GradientAllReduce`).
+    """Make a params pytree data parallel with ``algorithm``.
 
-    ``axis_name`` is the pmap / shard_map axis the step runs over and
-    ``world_size`` its size (default ``jax.device_count()``, all devices of all
-    processes: call :func:`init_distributed` before ``wrap``).
-    ``pack_buckets`` (default: automatic) chooses one collective per bucket
-    (packed) or per leaf; algorithms that need padding always pack.
-    In a multi-process run, every process must call ``wrap`` with the same tree.
-    ``devices_per_node`` (default: this process's devices times torchrun's
-    ``LOCAL_WORLD_SIZE``) groups the axis into nodes for the hierarchical
-    algorithms, which run in two levels under ``pmap`` with >= 2 nodes.  Where
-    there are no node groups (``shard_map``: JAX has no grouped collectives
-    there; a ``devices_per_node`` that does not divide the axis) the default
-    ``hierarchical=None`` runs flat and ``hierarchical=True`` is refused with a
-    BaguaXError when the step is traced.
+    In a multi-process run, every process must call ``wrap`` with the same
+    tree (checked across processes, JSON only).  Inside the step, call
+    :meth:`DataParallel.reduce_gradients` / :meth:`DataParallel.sync_params`,
+    or use the optax forms :meth:`DataParallel.gradient_transformation` and
+    :meth:`DataParallel.optimizer` (QAdam).
 
-    Faults (both off by default; see :meth:`DataParallel.step`): ``timeout``
-    (seconds) ends the process with a report when a step run through
-    ``dp.step`` does not finish in time (a dead or stalled process), so an
-    elastic launcher can restart the job; it must stay 10 s below JAX's
-    heartbeat timeout (:func:`init_distributed`).  The first step traces and
-    compiles the program, so it has its own limit, ``first_step_timeout``
-    (default: the larger of ``timeout`` and 600 s); a later call that compiles
-    again (new input shapes) has ``timeout``.  Only a step still running is
-    reported: one that raises (and Ctrl-C) leaves the process alive.  ``check_finite`` raises a
-    BaguaXError naming the leaves when a reduced value is NaN or inf, on
-    every process at the same step (:mod:`.checks`).
+    Args:
+        params: the params pytree; its key paths name the leaves in every message.
+        algorithm: default :class:`~bagua_x.algorithms.GradientAllReduce`.
+        axis_name: the ``pmap`` / ``shard_map`` axis the step runs over.
+        bucket_cap_mb: the largest bucket (leaves are packed per dtype up to it).
+        world_size: the axis size (default ``jax.device_count()``, all devices of
+            all processes: call :func:`init_distributed` before ``wrap``).
+        pack_buckets: one collective per bucket (True) or per leaf (False);
+            default automatic.  Algorithms that need padding always pack.
+        timeout: seconds (default off): a step run through
+            :meth:`DataParallel.step` that does not finish in time ends the
+            process with a report (which processes never arrived), so an elastic
+            launcher can restart the job.  It must stay 10 s below JAX's heartbeat
+            timeout (:func:`init_distributed`).  Only a step still running is
+            reported: one that raises (and Ctrl-C) leaves the process alive.
+        check_finite: raise a BaguaXError naming the leaves when a reduced value
+            is NaN or inf, on every process at the same step (:mod:`.checks`).
+        devices_per_node: groups the axis into nodes for the hierarchical
+            algorithms (default: this process's devices times torchrun's
+            ``LOCAL_WORLD_SIZE``), which run in two levels under ``pmap`` with
+            >= 2 nodes.  Where there are no node groups (``shard_map``: JAX has
+            no grouped collectives there; a ``devices_per_node`` that does not
+            divide the axis) the default ``hierarchical=None`` runs flat and
+            ``hierarchical=True`` is refused when the step is traced.
+        first_step_timeout: the first step's limit under ``timeout``: it traces
+            and compiles the program (default: the larger of ``timeout`` and
+            600 s); a later call that compiles again (new input shapes) has ``timeout``.
+
+    Returns:
+        The :class:`DataParallel` object of this tree.
     """
     return DataParallel(params, algorithm, axis_name, bucket_cap_mb, world_size, pack_buckets, timeout, check_finite,
                         devices_per_node, first_step_timeout)

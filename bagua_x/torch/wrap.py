@@ -162,51 +162,62 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
          check_finite: bool = False, device_ids: Optional[Sequence[Union[int, str, torch.device]]] = None,
          output_device: Union[None, int, str, torch.device] = None, gradient_as_bucket_view: bool = True,
          static_graph: bool = False, local_world_size: Optional[int] = None) -> DistributedModel:
-    """Make ``model`` data parallel with ``algorithm``.
-
-    The default is GradientAllReduce (what DDP does), or QAdam when ``optimizer``
-    is a :class:`QAdamOptimizer`.
+    """Make ``model`` data parallel with ``algorithm``: ``DDP(model, ...)`` -> ``wrap(model, ...)`` is a rename.
 
     Collective: every rank must call it with the same model and algorithm.  It
-    initialises torch.distributed from torchrun's environment if needed,
-    checks that ranks agree (a BaguaXError on every rank otherwise) and copies
-    rank 0's parameters and buffers to all ranks.  ``optimizer`` is needed by
-    algorithms that act after ``optimizer.step()``.
+    initialises torch.distributed from torchrun's environment if needed (with
+    ``timeout`` as the group's own), checks that ranks agree (a BaguaXError on
+    every rank otherwise, before any collective that could hang) and copies
+    rank 0's parameters and buffers to all ranks.  DDP's keywords are honoured
+    or refused before any communication, with the reason.
 
-    ``timeout`` (seconds or a ``datetime.timedelta``; default: the process
-    group's timeout) bounds every wait on communication: if a bucket does not
-    complete in time -- a rank died, hangs, or skipped a backward -- the
-    waiting call (``backward()``, ``optimizer.step()``, ``forward``) raises a
-    BaguaXError naming the bucket, its tensors and the ranks that had not
-    marked it ready.  The process group is unusable afterwards: exit and
-    restart from a checkpoint.  ``check_finite=True`` raises when a
-    communicated value (gradient, weight or QAdam momentum) is NaN or infinite
-    after the reduction, naming the tensor, on every rank at the same step.
-    ``local_world_size``: ranks per node for hierarchical algorithms (default
-    torchrun's ``LOCAL_WORLD_SIZE``); every rank must see the same setting and
-    node layout, else all raise the same BaguaXError before any node group is made.
+    On a GPU the default paths never wait for the GPU on the host; bagua_x
+    communicates on CUDA streams of its own (see ``docs/architecture.md``).
 
-    On a GPU the default paths never wait for the GPU on the host.  Two
-    options do, by their nature: ``check_finite=True`` reads one flag per
-    bucket after its reduction, and ``find_unused_parameters=True`` reads the
-    per-parameter "no rank used it" flags once per step (as DDP does).
+    Args:
+        model: the module, on the device it trains on (one device per process).
+        optimizer: needed by algorithms that act after ``optimizer.step()``
+            (weight algorithms, AsyncModelAverage); a
+            :class:`~bagua_x.torch.QAdamOptimizer` makes QAdam the default algorithm.
+        algorithm: default ``GradientAllReduce()`` (what DDP does), or QAdam
+            with a QAdamOptimizer.
+        process_group: as in DDP (default: the whole world).
+        bucket_cap_mb: as in DDP; ``None`` is DDP's 25.
+        find_unused_parameters: as in DDP: parameters that get no gradient are
+            communicated as zeros (and keep ``p.grad`` None where no rank used
+            them).  Reads a flag per parameter once per step on the host.
+        broadcast_buffers: as in DDP: buffers follow rank 0 before each
+            forward that follows a synchronised one.
+        timeout: seconds or a ``datetime.timedelta`` (default: the process
+            group's timeout) bounding every wait on communication: a bucket that
+            does not complete in time -- a rank died, hangs, or skipped a
+            backward -- makes the waiting call (``backward()``,
+            ``optimizer.step()``, ``forward``) raise a BaguaXError naming the
+            bucket, its tensors and the ranks that had not marked it ready.  The
+            process group is unusable afterwards: exit and restart from a checkpoint.
+        check_finite: raise when a communicated value (gradient, weight or QAdam
+            momentum) is NaN or infinite after the reduction, naming the tensor,
+            on every rank at the same step.  Reads one flag per bucket on the host.
+        device_ids: ``None`` or ``[the parameters' device]`` (an int is an index
+            on that device type); several devices are refused (one process per device).
+        output_device: ``None`` or the parameters' device; outputs stay where the
+            model puts them and inputs are not moved.
+        gradient_as_bucket_view: must be True: bagua_x always makes gradients
+            views of the bucket buffers (there is no second copy to give).
+        static_graph: as in DDP: the first backward counts how many times each
+            parameter's gradient hook fires (reentrant activation checkpointing
+            fires it once per checkpointed segment using the parameter) and is
+            communicated at its end; later ones communicate a parameter after
+            that many firings.  Without it a second firing raises a BaguaXError
+            naming the parameter.  Parameters that get no gradient still need
+            ``find_unused_parameters=True``.
+        local_world_size: ranks per node for hierarchical algorithms (default
+            torchrun's ``LOCAL_WORLD_SIZE``); every rank must see the same
+            setting and node layout, else all raise the same BaguaXError before
+            any node group is made.
 
-    DDP's keywords, so ``DDP(model, ...)`` -> ``wrap(model, ...)`` is a rename
-    (checked before any communication; a BaguaXError says why one does not apply):
-    ``process_group``, ``find_unused_parameters``, ``broadcast_buffers`` and
-    ``bucket_cap_mb`` (``None``: DDP's 25) as in DDP.  ``device_ids``: ``None``
-    or ``[the parameters' device]`` (an int is an index on that device type);
-    several devices are refused (one process per device).  ``output_device``:
-    ``None`` or that device; outputs stay where the model puts them, and inputs
-    are not moved: pass them on the model's device.  ``gradient_as_bucket_view``:
-    bagua_x always makes gradients views of the bucket buffers (True); False is
-    refused, as there is no second gradient copy to give.  ``static_graph``:
-    as in DDP, the first backward counts how many times each parameter's
-    gradient hook fires (reentrant activation checkpointing fires it once per
-    checkpointed segment using the parameter) and is communicated at its end;
-    later ones communicate a parameter after that many firings.  Without it a
-    second firing raises a BaguaXError naming the parameter.  Parameters that
-    get no gradient still need ``find_unused_parameters=True``.
+    Returns:
+        The wrapped model: call it like the model; ``.module`` is the model.
     """
     if not isinstance(model, torch.nn.Module):
         raise BaguaXError(f"wrap() expects a torch.nn.Module, got {type(model).__name__}")
