@@ -13,9 +13,14 @@ __all__ = ["GradientAllReduce"]
 
 @dataclasses.dataclass(frozen=True)
 class GradientAllReduce(NodeAware, Algorithm):
-    """``hierarchical``: reduce inside each node, then across nodes (:func:`~.base.over_nodes`),
-    the same result with the nodes' links carrying only the cross-node part.  Off by
-    default, as in Bagua: an uncompressed allreduce gains little from it."""
+    """Gradients averaged (or summed) over the ranks in full precision: what DDP does.
+
+    Args:
+        average: divide the sum by the number of ranks.
+        hierarchical: reduce inside each node, then across nodes (:func:`~.base.over_nodes`): the same
+            result with the nodes' links carrying only the cross-node part.  Off by default, as in Bagua:
+            an uncompressed allreduce gains little from it.
+    """
 
     average: bool = True
     hierarchical: Optional[bool] = False

@@ -71,6 +71,15 @@ def _decompressed(packed, flat, out):
 
 @dataclasses.dataclass(frozen=True)
 class ByteGrad(NodeAware, Algorithm):
+    """8-bit gradient allreduce: MinMaxUInt8 chunks, alltoall, reduce and re-quantise, allgather.
+
+    Args:
+        average: divide the sum by the number of ranks.
+        hierarchical: over nodes (full precision inside each node, the flat algorithm between nodes;
+            ``over_nodes``): ``None`` where there are >= 2 nodes of >= 2 ranks, ``True`` required (refused
+            where the frontend has no node groups), ``False`` flat.
+    """
+
     average: bool = True
     hierarchical: Optional[bool] = None
     donates_input = True  # the result is written over the bucket where arrays are mutable

@@ -40,6 +40,17 @@ def shift_one_pairs(size: int, s: int) -> list[tuple[int, int]]:
 
 @dataclasses.dataclass(frozen=True)
 class Decentralized(NodeAware, Algorithm):
+    """Decentralized SGD: weights averaged with all ranks or one peer, overlapped with forward and backward.
+
+    Args:
+        peer_selection_mode: ``"all"`` (allreduce mean) or ``"shift_one"`` (average with one peer that
+            changes every communication; an even number of ranks).
+        communication_interval: communicate every this many steps.
+        hierarchical: over nodes (full precision inside each node, the flat algorithm between nodes;
+            ``over_nodes``): ``None`` where there are >= 2 nodes of >= 2 ranks, ``True`` required (refused
+            where the frontend has no node groups), ``False`` flat.
+    """
+
     peer_selection_mode: str = "all"
     communication_interval: int = 1
     hierarchical: Optional[bool] = None

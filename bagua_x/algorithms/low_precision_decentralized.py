@@ -47,6 +47,15 @@ def apply_differences(w, left, right, q, mm, q_left, mm_left, q_right, mm_right)
 
 @dataclasses.dataclass(frozen=True)
 class LowPrecisionDecentralized(NodeAware, Algorithm):
+    """Ring of 8-bit weight differences after the optimizer step (Bagua's low-precision decentralized SGD).
+
+    Args:
+        communication_interval: communicate every this many steps.
+        hierarchical: over nodes (full precision inside each node, the flat algorithm between nodes;
+            ``over_nodes``): ``None`` where there are >= 2 nodes of >= 2 ranks, ``True`` required (refused
+            where the frontend has no node groups), ``False`` flat.
+    """
+
     communication_interval: int = 1
     hierarchical: Optional[bool] = None
 

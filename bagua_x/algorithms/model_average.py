@@ -13,6 +13,12 @@ __all__ = ["ModelAverage", "AsyncModelAverage", "async_average_delta"]
 
 @dataclasses.dataclass(frozen=True)
 class ModelAverage(Algorithm):
+    """Weights averaged over the ranks after the optimizer step, every ``period`` steps.
+
+    Args:
+        period: average every this many steps (1: every step).
+    """
+
     period: int = 1
     donates_input = True
 

@@ -111,6 +111,17 @@ def _revive(q, fresh, xp):
 
 @dataclasses.dataclass(frozen=True)
 class PowerSGD(Algorithm):
+    """Rank-r gradient compression with error feedback, as torch's ``powerSGD_hook`` (same names).
+
+    Args:
+        matrix_approximation_rank: r, the rank of each matrix's approximation ``P Q^T``.
+        start_powerSGD_iter: steps of plain allreduce before compressing.
+        min_compression_rate: compress a matrix only where ``n m / (r (n + m))`` exceeds this.
+        use_error_feedback: add what compression lost to the next step's gradient.
+        warm_start: start each step's ``Q`` from the last one (else from the seeded draw).
+        random_seed: the seed of the initial ``Q`` and of redrawn zero columns (the same on every rank).
+    """
+
     matrix_approximation_rank: int = 1
     start_powerSGD_iter: int = 1000
     min_compression_rate: float = 2.0

@@ -56,6 +56,19 @@ def adam_direction(m, v, t, lr: float, beta1: float, beta2: float, eps: float):
 
 @dataclasses.dataclass(frozen=True)
 class QAdam(NodeAware, Algorithm):
+    """Adam whose momentum is communicated 8-bit once its variance is frozen after warmup.
+
+    Args:
+        lr: the learning rate.
+        warmup_steps: steps of Adam on allreduce-averaged gradients before the variance is frozen (>= 1).
+        betas: Adam's coefficients of the running averages of the gradient and its square.
+        eps: added to the denominator.
+        weight_decay: L2 penalty added to the gradient.
+        hierarchical: over nodes (full precision inside each node, the flat algorithm between nodes;
+            ``over_nodes``): ``None`` where there are >= 2 nodes of >= 2 ranks, ``True`` required (refused
+            where the frontend has no node groups), ``False`` flat.
+    """
+
     lr: float = 1e-3
     warmup_steps: int = 100
     betas: tuple[float, float] = (0.9, 0.999)
