@@ -123,7 +123,7 @@ def counter(xp) -> Any:
     the host (torch: the CPU) ``comm.switch`` picks a branch from it without
     waiting for the GPU.  It only ever meets bucket arrays as a scalar.
     """
-    return xp.zeros((), dtype=xp.int32)
+    return xp.zeros((), dtype=xp.int32)  # no device=: the namespace's host default, on purpose (see above)
 
 
 def every(comm, step, interval: int, fn, operand):

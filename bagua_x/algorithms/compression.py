@@ -20,6 +20,8 @@ see :mod:`.kernels`); packing is cheap glue around them, outside compiled code.
 
 from __future__ import annotations
 
+import array_api_compat
+
 from .base import namespace
 from .kernels import kernel
 
@@ -89,7 +91,7 @@ def pack_rows(q, minmax):
     """uint8 (R, k) and float32 (R, 2) -> uint8 (R, k + 8)."""
     xp = namespace(q)
     # .view(dtype) reinterprets bytes (numpy, torch and jax arrays all have it; the Array API does not)
-    header = xp.asarray(minmax, dtype=xp.float32, copy=True).view(xp.uint8)
+    header = xp.asarray(minmax, dtype=xp.float32, copy=True, device=array_api_compat.device(q)).view(xp.uint8)
     return xp.concat([q, header], axis=1)
 
 
@@ -97,7 +99,7 @@ def unpack_rows(packed):
     """uint8 (R, k + 8) -> the payload (R, k) (a view) and float32 (R, 2) min/max."""
     xp = namespace(packed)
     # a fresh 1-D copy: reinterpreting bytes as float32 needs them contiguous and 4-byte aligned
-    header = xp.asarray(xp.reshape(packed[:, -HEADER_BYTES:], (-1,)), copy=True)
+    header = xp.asarray(xp.reshape(packed[:, -HEADER_BYTES:], (-1,)), copy=True, device=array_api_compat.device(packed))
     return packed[:, :-HEADER_BYTES], xp.reshape(header.view(xp.float32), (-1, 2))
 
 
