@@ -9,7 +9,7 @@ them the same on every device, also for weight algorithms whose devices hold
 different values) and hands only those flags to the host; the callback raises
 the same BaguaXError on every device of every process at the same step.  JAX
 reports an exception from a callback as a ``JaxRuntimeError`` carrying its
-text; :meth:`DataParallel.step` turns it back into the BaguaXError.  With
+text; :meth:`~.wrap.DataParallel.step` turns it back into the BaguaXError.  With
 ``check_finite=False`` nothing is added to the traced program.
 """
 

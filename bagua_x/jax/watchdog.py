@@ -4,12 +4,12 @@ Inside a jitted step a stuck collective cannot report anything -- it is what
 is stuck -- and XLA gives it no timeout: gloo waits, and JAX's coordination
 service aborts every process only after its heartbeat timeout (100 s by
 default) with a terse "another task died".  So the watch runs on the host,
-around the call of the step (:meth:`DataParallel.step`):
+around the call of the step (:meth:`~.wrap.DataParallel.step`):
 
 * each process publishes the step it enters in JAX's distributed key-value
   store (one ``key_value_set`` per step; entering step k also says k - 1 was
   left, so no second write), and notes locally when the step returned.  The
-  write is a gRPC round trip (about 1 ms on a loaded 2-core machine), so a
+  write is a gRPC round trip, too slow to wait for in every step, so a
   publisher thread makes it, coalescing steps: the training thread only
   stores a number and notifies;
 * a thread checks, once per poll interval and without any remote call, how

@@ -429,14 +429,14 @@ def wrap(
         axis_name: the ``pmap`` / ``shard_map`` axis the step runs over.
         bucket_cap_mb: the largest bucket (leaves are packed per dtype up to it).
         world_size: the axis size (default ``jax.device_count()``, all devices of
-            all processes: call :func:`init_distributed` before ``wrap``).
+            all processes: call :func:`~.distributed.init_distributed` before ``wrap``).
         pack_buckets: one collective per bucket (True) or per leaf (False);
             default automatic.  Algorithms that need padding always pack.
         timeout: seconds (default off): a step run through
             :meth:`DataParallel.step` that does not finish in time ends the
             process with a report (which processes never arrived), so an elastic
             launcher can restart the job.  It must stay 10 s below JAX's heartbeat
-            timeout (:func:`init_distributed`).  Only a step still running is
+            timeout (:func:`~.distributed.init_distributed`).  Only a step still running is
             reported: one that raises (and Ctrl-C) leaves the process alive.
         check_finite: raise a BaguaXError naming the leaves when a reduced value
             is NaN or inf, on every process at the same step (:mod:`.checks`).
