@@ -1,7 +1,9 @@
-"""Independent numpy references that simulate every rank of each algorithm.
+"""Independent numpy references that simulate every rank of each of bagua_x's algorithms.
 
 Written from the formulas in DESIGN.md (Bagua's semantics), sharing no code with
-bagua_x, so a test comparing the two catches a wrong formula on either side.
+bagua_x.algorithms, so a test comparing the two catches a wrong formula on either side.
+Built on the public building blocks of :mod:`bagua_x.testing.reference` (the allreduce,
+MinMaxUInt8), which algorithms written outside the library use the same way.
 ``xs`` is a list with one flat float32 array per rank; ``step`` is the 0-based
 index of the reduce call.
 """
@@ -10,40 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-EPS = 1e-7
-
-
-def quantize(x):
-    """Bagua's MinMaxUInt8 of one chunk -> (q uint8, min, max)."""
-    x = np.asarray(x, np.float32)
-    mn, mx = np.float32(x.min()), np.float32(x.max())
-    scale = np.float32(255.0) / (mx - mn + np.float32(EPS))
-    upper = np.rint(mx * scale)
-    lower = upper - np.float32(255.0)
-    q = (np.clip(np.rint(x * scale), lower, upper) - lower).astype(np.uint8)
-    return q, mn, mx
-
-
-def dequantize(q, mn, mx):
-    scale = np.float32(255.0) / (np.float32(mx) - np.float32(mn) + np.float32(EPS))
-    upper = np.rint(np.float32(mx) * scale)
-    lower = upper - np.float32(255.0)
-    return (q.astype(np.float32) + lower) / scale
-
-
-def roundtrip(x):
-    return dequantize(*quantize(x))
-
-
-def step_size(x):
-    """One quantization step of chunk ``x``: (max - min) / 255."""
-    return (float(np.max(x)) - float(np.min(x)) + EPS) / 255.0
-
-
-def allreduce(xs, average=True):
-    total = np.sum(np.stack(xs).astype(np.float64), axis=0)
-    out = total / len(xs) if average else total
-    return [out.astype(np.float32) for _ in xs]
+from bagua_x.testing.reference import allreduce, dequantize, quantize, roundtrip
 
 
 def bytegrad(xs, average=True):

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-import reference as ref
+from bagua_x import testing
 from bagua_x.algorithms import GradientAllReduce, Phase, Target
 from bagua_x.algorithms.base import ring_allreduce_bytes
-from simulated import flat_layout, run
+from bagua_x.testing import flat_layout, run
 
 SIZES = [2, 3, 4, 8]
 STEPS = 3
@@ -34,7 +34,7 @@ def test_matches_reference_over_steps(n, average):
     out, comms = run(n, job)
     assert len(out) == n
     for t in range(STEPS):
-        want = ref.allreduce(grads(n, t), average)
+        want = testing.reference.allreduce(grads(n, t), average)
         for r in range(n):
             got = out[r][0][t]
             assert got.shape == want[r].shape and got.dtype == np.float32

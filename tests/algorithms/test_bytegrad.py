@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 import reference as ref
+from bagua_x import testing
 from bagua_x.algorithms import ByteGrad, Phase, Target
 from bagua_x.algorithms.base import compressed_bytes
 from bagua_x.algorithms.bytegrad import compressed_allreduce
-from simulated import flat_layout, run
+from bagua_x.testing import flat_layout, run
 
 SIZES = [2, 3, 4, 8]
 STEPS = 3
@@ -60,14 +61,14 @@ def test_wire_is_uint8_codes_of_the_reference(n, average):
     out, comms = run(n, lambda c: ByteGrad(average=average).reduce(xs[c.rank].copy(), flat_layout(xs[c.rank].copy()), {}, c)[0])
     own = []  # the chunk each rank reduced, as the reference computes it before re-quantising
     for r in range(n):
-        s = np.sum([ref.roundtrip(np.split(x, n)[r]) for x in xs], axis=0, dtype=np.float32)
+        s = np.sum([testing.reference.roundtrip(np.split(x, n)[r]) for x in xs], axis=0, dtype=np.float32)
         own.append(s / np.float32(n) if average else s)
     for r, c in enumerate(comms):
         a2a, gather = c.sent
         # alltoall: one row per destination, CHUNK codes then min and max as float32
         assert a2a.dtype == np.uint8 and a2a.shape == (n, CHUNK + 8)
         for j, chunk in enumerate(np.split(xs[r], n)):
-            q, mn, mx = ref.quantize(chunk)
+            q, mn, mx = testing.reference.quantize(chunk)
             assert np.array_equal(a2a.data[j, :CHUNK], q)  # the same codes exactly
             assert np.array_equal(a2a.data[j, CHUNK:].view(np.float32), [mn, mx])
             # the levels are really used: the top code for the max, and > 150 of 256 levels on 1000
@@ -75,14 +76,14 @@ def test_wire_is_uint8_codes_of_the_reference(n, average):
             assert a2a.data[j, :CHUNK].max() == 255 and len(np.unique(a2a.data[j, :CHUNK])) > 150
         # allgather: this rank's reduced chunk, re-quantised with its own fresh min/max
         assert gather.dtype == np.uint8 and gather.shape == (CHUNK + 8,)
-        q, mn, mx = ref.quantize(own[r])
+        q, mn, mx = testing.reference.quantize(own[r])
         assert np.array_equal(gather.data[:CHUNK], q)
         assert np.array_equal(gather.data[CHUNK:].view(np.float32), [mn, mx])
         assert c.bytes_sent() == pytest.approx(ByteGrad().wire_bytes(flat_layout(n * CHUNK), 4, n))
         assert c.bytes_sent() == pytest.approx(2 * (n - 1) * (CHUNK + 8))  # vs 8 (n-1) CHUNK for float32
     for r, chunk in enumerate(np.split(out[0], n)):
         assert len(np.unique(chunk)) <= 256  # the result is quantised: one of 256 levels per chunk
-        assert np.abs(chunk - own[r]).max() <= ref.step_size(own[r]) / 2 * 1.001  # rint: half a step
+        assert np.abs(chunk - own[r]).max() <= testing.reference.step_size(own[r]) / 2 * 1.001  # rint: half a step
 
 
 @pytest.mark.parametrize("n", [2, 8])

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import reference as ref
+from bagua_x import testing
 from bagua_x.algorithms.compression import HEADER_BYTES, compress_rows, decompress_rows, quantize_roundtrip, unpack_rows
 
 
@@ -24,12 +24,12 @@ def test_matches_bagua_formula_on_ordinary_gradients():
     assert packed.dtype == np.uint8 and packed.shape == (4, 1000 + HEADER_BYTES)
     q, mm = unpack_rows(packed)
     for row, prow, qrow, mmrow in zip(x, packed, q, mm):
-        rq, mn, mx = ref.quantize(row)
+        rq, mn, mx = testing.reference.quantize(row)
         assert mmrow[0] == mn and mmrow[1] == mx
         assert np.array_equal(prow[-HEADER_BYTES:].view(np.float32), [mn, mx])  # the header: min, max as float32
         np.testing.assert_array_equal(qrow, rq)  # the codes are Bagua's exactly
         # seen: 0 (a quantisation step here is 2.7e-3)
-        np.testing.assert_allclose(decompress_rows(prow[None])[0], ref.dequantize(rq, mn, mx), rtol=0, atol=1e-8)
+        np.testing.assert_allclose(decompress_rows(prow[None])[0], testing.reference.dequantize(rq, mn, mx), rtol=0, atol=1e-8)
 
 
 def test_is_really_quantized():

@@ -7,7 +7,7 @@ import reference as ref
 from bagua_x.algorithms import Decentralized, Phase, Target
 from bagua_x.algorithms.decentralized import shift_one_pairs, shift_one_peer
 from bagua_x.core import BaguaXError
-from simulated import flat_layout, run
+from bagua_x.testing import flat_layout, run
 
 NUMEL = 500
 STEPS = 7

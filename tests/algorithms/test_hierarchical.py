@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 import reference as ref
+from bagua_x import testing
 from bagua_x.algorithms import ByteGrad, Decentralized, GradientAllReduce, LowPrecisionDecentralized, QAdam
 from bagua_x.algorithms.base import compressed_bytes, over_nodes
 from bagua_x.core import BaguaXError
 from bagua_x.core.comm import Feature, ReduceOp
-from simulated import flat_layout, run
+from bagua_x.testing import flat_layout, run
 
 TOPOLOGIES = [(4, 2), (8, 2), (8, 4)]  # (ranks, ranks per node): 2x2, 4 nodes of 2, 2 nodes of 4
 NUMEL = 1600  # a multiple of every world size here
@@ -85,7 +86,7 @@ def test_default_is_flat_with_one_rank_per_node_and_forced_runs_in_two_levels():
 @pytest.mark.parametrize("n, local", TOPOLOGIES)
 def test_gradient_allreduce(n, local):
     out, comms = run(n, gradient_job(GradientAllReduce(hierarchical=True), n, steps=1), local_size=local)
-    want = ref.allreduce(values(n, 0))
+    want = testing.reference.allreduce(values(n, 0))
     for o, w, c in zip(out, want, comms):
         assert np.abs(o[0] - w).max() <= 1e-8  # another float32 summation order: seen <= 7.5e-9
         assert c.across.bytes_sent() == pytest.approx(2 * (n // local - 1) / (n // local) * NUMEL // local * 4)

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 import reference as ref
+from bagua_x import testing
 from bagua_x.algorithms import LowPrecisionDecentralized, Phase, Target
 from bagua_x.core import BaguaXError
-from simulated import flat_layout, run
+from bagua_x.testing import flat_layout, run
 
 SIZES = [2, 3, 4, 8]
 NUMEL = 2000
@@ -80,7 +81,7 @@ def test_sends_the_quantised_difference_to_both_neighbours(n):
     x0 = [x + e for x, e in zip(xs, noise(n, 0))]
     for r, c in enumerate(comms):
         d = x0[r] + states[r]["left"] / 3 + states[r]["right"] / 3 - 5 * states[r]["w"] / 3
-        q, mn, mx = ref.quantize(d)
+        q, mn, mx = testing.reference.quantize(d)
         first = c.sent[0].data[0]
         assert np.array_equal(first[:NUMEL], q)  # the codes exactly
         assert np.array_equal(first[NUMEL:].view(np.float32), [mn, mx])
@@ -92,7 +93,7 @@ def test_sends_the_quantised_difference_to_both_neighbours(n):
         right_sent, left_sent = comms[(r + 1) % n].sent[0].data[0], comms[(r - 1) % n].sent[0].data[0]
         for key, sent in (("right", right_sent), ("left", left_sent)):
             step = state[key] - xs[r]
-            want = ref.dequantize(sent[:NUMEL], *sent[NUMEL:].view(np.float32))
+            want = testing.reference.dequantize(sent[:NUMEL], *sent[NUMEL:].view(np.float32))
             assert np.abs(step - want).max() <= 2e-8  # seen <= 1.49e-8: float32 rounding of (L + deQ) - x
 
 

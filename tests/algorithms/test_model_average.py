@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 import reference as ref
+from bagua_x import testing
 from bagua_x.algorithms import AsyncModelAverage, ModelAverage, Phase, Target
 from bagua_x.algorithms.model_average import async_average_delta
 from bagua_x.core import BaguaXError
-from simulated import flat_layout, run
+from bagua_x.testing import flat_layout, run
 
 SIZES = [2, 3, 4, 8]
 NUMEL = 500
@@ -70,7 +71,7 @@ def test_first_average_after_period_steps():
 def test_async_delta_and_reduce(n):
     xs = noise(n, 0)
     out, comms = run(n, lambda c: (async_average_delta(xs[c.rank], c), AsyncModelAverage().reduce(xs[c.rank], flat_layout(xs[c.rank]), {}, c)))
-    mean = ref.allreduce(xs)[0]
+    mean = testing.reference.allreduce(xs)[0]
     for r, (delta, (avg, state)) in enumerate(out):
         # float32 sum / N vs the correctly rounded mean: seen <= 2.4e-7 for both (N = 4, 8; 0 for N = 2)
         assert np.abs(delta - (mean - xs[r])).max() <= 2.5e-7

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import reference as ref
-from simulated import run
+from bagua_x.testing import run
 
 from bagua_x.algorithms import PowerSGD
 from bagua_x.core.bucket import BucketLayout

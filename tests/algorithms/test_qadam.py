@@ -8,7 +8,7 @@ from bagua_x.algorithms import Phase, QAdam, Target
 from bagua_x.algorithms.base import compressed_bytes
 from bagua_x.algorithms.qadam import adam_direction
 from bagua_x.core import BaguaXError
-from simulated import flat_layout, run
+from bagua_x.testing import flat_layout, run
 
 SIZES = [2, 3, 4, 8]
 NUMEL = 840  # a multiple of every N (2, 3, 4, 8): the bucket is aligned to the world size

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bagua_x.core import Communicator, ReduceOp
-from simulated import CollectiveError, run
+from bagua_x.testing import CollectiveError, run
 
 SIZES = [1, 2, 3, 4]
 

@@ -1,5 +1,5 @@
-"""The layering of DESIGN.md, checked: core, algorithms and nccl import no framework; the frontends never import
-each other (neither at import time nor in any function body)."""
+"""The layering of DESIGN.md, checked: core, algorithms, testing and nccl import no framework; the frontends never
+import each other (neither at import time nor in any function body)."""
 
 import ast
 import subprocess
@@ -11,9 +11,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "bagua_x"
 
 
-def test_core_algorithms_and_nccl_import_neither_torch_nor_jax():
+def test_core_algorithms_testing_and_nccl_import_neither_torch_nor_jax():
     code = (
-        "import sys, bagua_x.core, bagua_x.algorithms, bagua_x.nccl;"
+        "import sys, bagua_x.core, bagua_x.algorithms, bagua_x.testing, bagua_x.nccl;"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax', 'jaxlib'));"
         "print(bad); sys.exit(1 if bad else 0)"
     )
@@ -37,6 +37,7 @@ def imported_modules(path: Path, root: Path = PACKAGE) -> set[str]:
 @pytest.mark.parametrize("layer, forbidden", [
     ("core", ("torch", "jax", "jaxlib", "bagua_x.torch", "bagua_x.jax", "bagua_x.algorithms", "bagua_x.apps")),
     ("algorithms", ("torch", "jax", "jaxlib", "bagua_x.torch", "bagua_x.jax", "bagua_x.apps")),
+    ("testing", ("torch", "jax", "jaxlib", "bagua_x.torch", "bagua_x.jax", "bagua_x.apps")),
     ("torch", ("jax", "jaxlib", "flax", "optax", "bagua_x.jax", "bagua_x.apps")),
     ("jax", ("torch", "bagua_x.torch", "bagua_x.apps")),
 ])

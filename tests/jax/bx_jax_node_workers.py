@@ -32,9 +32,9 @@ def inputs(seed: int, n: int, scale: float = 1.0) -> list[list[np.ndarray]]:
 
 def chunk_steps(x: np.ndarray, chunks: int) -> np.ndarray:
     """Each element's quantisation step ((max - min) / 255 of its chunk), ``x`` cut in ``chunks`` equal chunks."""
-    from algorithms import reference as ref
+    from bagua_x.testing.reference import step_size
 
-    return np.repeat([ref.step_size(c) for c in np.split(x, chunks)], len(x) // chunks)
+    return np.repeat([step_size(c) for c in np.split(x, chunks)], len(x) // chunks)
 
 
 @dataclasses.dataclass
@@ -52,6 +52,7 @@ class Case:
 
 def cases(n: int) -> dict[str, Case]:
     from algorithms import reference as ref
+    from bagua_x import testing
     from bagua_x.algorithms import ByteGrad, Decentralized, GradientAllReduce, LowPrecisionDecentralized, QAdam
 
     xs = inputs(1, n)
@@ -59,7 +60,7 @@ def cases(n: int) -> dict[str, Case]:
     grads = by_bucket(xs)
     out = {
         "allreduce": Case(GradientAllReduce(hierarchical=True), [(x,) for x in xs], xs,
-                          lambda b: ref.allreduce(grads[b])),
+                          lambda b: testing.reference.allreduce(grads[b])),
         "bytegrad": Case(ByteGrad(hierarchical=True), [(x,) for x in xs], xs,
                          lambda b: ref.bytegrad_hierarchical(grads[b], LOCAL),
                          lambda b, r, want: chunk_steps(want, n)),  # the final chunks: L shards x G nodes

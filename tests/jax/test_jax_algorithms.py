@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from bagua_x import testing
 import bx_jax_workers as w
 from algorithms import reference as ref
 from bagua_x.algorithms import (
@@ -88,7 +89,7 @@ def test_gradient_allreduce(average):
     run = Traced(GradientAllReduce(average=average), xs)
     for s in range(3):
         xs = inputs(s)
-        for got, want in zip(run(xs), ref.allreduce(xs, average)):
+        for got, want in zip(run(xs), testing.reference.allreduce(xs, average)):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert run.traces == 1
 
@@ -101,13 +102,13 @@ def test_bytegrad_matches_the_reference_and_sends_uint8(average):
     for s in range(STEPS):
         xs = inputs(s, numel=numel)
         got, want = run(xs), ref.bytegrad(xs, average)
-        exact = ref.allreduce(xs, average)[0]
+        exact = testing.reference.allreduce(xs, average)[0]
         assert len(got) == N
         for g in got[1:]:
             np.testing.assert_array_equal(g, got[0])  # all ranks bitwise identical
         # seen: float32 rounding up to 1.9e-6 (mean) / 7.6e-6 (sum), and one element of 4096 x 6 one
         # code off (a step is 0.03 / 0.14)
-        step = max(ref.step_size(c) for c in np.split(want[0], N))
+        step = max(testing.reference.step_size(c) for c in np.split(want[0], N))
         assert_close_but_rare_code_flips(got[0], want[0], atol=1e-5 if average else 2e-5,
                                          flip_tol=1.01 * step, max_flips=2)
         for chunk in np.split(got[0], N):  # each chunk dequantised from 8 bits: at most 256 levels of 1024
@@ -143,7 +144,7 @@ def test_low_precision_decentralized(interval):
         for r in range(N):
             # seen: 1.9e-6 everywhere but one element of one rank whose 8-bit code flipped at step 2
             # (XLA vs numpy rounding at a tie): off by 1.1e-3 afterwards, a tenth of a step (0.011)
-            step = ref.step_size(want[r] - states[r]["left"] / 3)
+            step = testing.reference.step_size(want[r] - states[r]["left"] / 3)
             assert_close_but_rare_code_flips(got[r], want[r], atol=5e-6, flip_tol=0.15 * step, max_flips=1)
             for key in ("w", "left", "right"):
                 assert_close_but_rare_code_flips(np.asarray(run.state[key][r]), states[r][key], atol=5e-6,
@@ -208,7 +209,7 @@ def test_across_two_processes():
             got = {name: list(outs[s]) for name, outs in r.items()}
             assert all(len(g) == N for g in got.values())
             for g, want in zip(got["bytegrad"], ref.bytegrad(xs)):  # seen: 9.5e-7 (float32 rounding)
-                assert_close_but_rare_code_flips(g, want, atol=5e-6, flip_tol=1.01 * ref.step_size(want),
+                assert_close_but_rare_code_flips(g, want, atol=5e-6, flip_tol=1.01 * testing.reference.step_size(want),
                                                  max_flips=1)
             for g, want in zip(got["shift_one"], ref.decentralized(xs, "shift_one", s, 1)):
                 np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
@@ -217,4 +218,4 @@ def test_across_two_processes():
             want, states = ref.low_precision_decentralized(xs, states, s, 1)
             for g, wv, st in zip(got["lowprec"], want, states):  # seen: 2.4e-6
                 assert_close_but_rare_code_flips(g, wv, atol=5e-6, max_flips=1,
-                                                 flip_tol=0.15 * ref.step_size(wv - st["left"] / 3))
+                                                 flip_tol=0.15 * testing.reference.step_size(wv - st["left"] / 3))

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from bagua_x import testing
 import bx_jax_workers as w
 from algorithms import reference as ref
 from bagua_x.algorithms import ByteGrad, Decentralized, LowPrecisionDecentralized, QAdam
@@ -50,7 +51,7 @@ def test_bytegrad(average):
         assert len(got) == N
         for r in range(N):
             assert np.array_equal(got[r], got[r - r % LOCAL])  # a node's ranks agree bitwise
-            step = max(ref.step_size(c) for c in np.split(want[r], N))
+            step = max(testing.reference.step_size(c) for c in np.split(want[r], N))
             # XLA vs numpy: float32 rounding (seen <= 4.8e-7 mean, 1.9e-6 sum) and, rarely, a code at a tie
             # (seen: none here; a step is ~0.03)
             assert_close_but_rare_code_flips(got[r], want[r], atol=1e-6 if average else 2.5e-6,
@@ -93,7 +94,7 @@ def test_low_precision_decentralized():
         got, state = run(moved)
         xs, node_states = ref.low_precision_hierarchical(moved, LOCAL, node_states, s, 1)
         for r in range(N):
-            step = ref.step_size(xs[r] - node_states[r // LOCAL]["left"] / 3)
+            step = testing.reference.step_size(xs[r] - node_states[r // LOCAL]["left"] / 3)
             assert_close_but_rare_code_flips(got[r], xs[r], atol=1e-6, flip_tol=0.15 * step, max_flips=1)
             assert_close_but_rare_code_flips(np.asarray(state["left"][r]), node_states[r // LOCAL]["left"],
                                              atol=1e-6, flip_tol=0.15 * step, max_flips=1)

@@ -6,6 +6,7 @@ import sys
 import numpy as np
 
 import bx_hierarchical_workers as w
+from bagua_x import testing
 from launch import run_workers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "algorithms"))
@@ -25,7 +26,7 @@ def test_algorithms_match_the_hierarchical_references():
         assert r["across_avg"] == [float(rank % 2) + 1.0]
     for t in range(w.STEPS):
         xs = w.inputs(t)
-        want = {"allreduce": ref.allreduce(xs), "bytegrad": ref.bytegrad_hierarchical(xs, LOCAL),
+        want = {"allreduce": testing.reference.allreduce(xs), "bytegrad": ref.bytegrad_hierarchical(xs, LOCAL),
                 "bytegrad_sum": ref.bytegrad_hierarchical(xs, LOCAL, average=False),
                 "decentralized": ref.decentralized_hierarchical(xs, LOCAL, "shift_one", t, 1),
                 "qadam_momentum": ref.bytegrad_hierarchical(xs, LOCAL)}

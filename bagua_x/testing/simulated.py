@@ -30,8 +30,9 @@ broadcast           ``nbytes`` on the root, 0 elsewhere
 permute             ``nbytes`` per pair ``(rank, dst)`` with ``dst != rank``
 ==================  ==================================================
 
-This file shares no code with bagua_x (only the ReduceOp and Feature names it is called with, and
-:func:`flat_layout`, the BucketLayout of a bucket holding one 1-D array).
+It shares no code with the algorithms it tests (only core's ReduceOp and Feature names it is called
+with, and :func:`flat_layout`, the BucketLayout of a bucket holding one 1-D array).  It imports neither
+torch nor jax: an algorithm's ``reduce`` runs here on numpy arrays, as every Array API namespace allows.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class CollectiveError(RuntimeError):
 
 @dataclasses.dataclass
 class Sent:
+    """One collective as one rank saw it (:attr:`SimulatedCommunicator.sent` keeps them in call order)."""
+
     op: str
     dtype: np.dtype
     shape: tuple
@@ -60,7 +63,12 @@ class Sent:
 
 
 class Rendezvous:
-    """Shared by the N communicators of one simulated job."""
+    """Shared by the N communicators of one simulated job: each collective meets here.
+
+    Args:
+      size: the number of ranks.
+      timeout: seconds a rank waits at a collective for the others before raising ``CollectiveError``.
+    """
 
     def __init__(self, size: int, timeout: float = 5.0):
         self.size = size
@@ -107,7 +115,15 @@ def _reduce(arrays: Sequence[np.ndarray], op: ReduceOp) -> np.ndarray:
 
 
 class SimulatedCommunicator:
-    """The Communicator protocol for one simulated rank (numpy arrays in, numpy arrays out)."""
+    """The Communicator protocol for one simulated rank (numpy arrays in, numpy arrays out).
+
+    Made by :func:`run`, one per rank.  ``sent`` records every collective this rank called
+    (:class:`Sent`); :meth:`bytes_sent` and :meth:`ops` summarise it.
+
+    Args:
+      rendezvous: the job's :class:`Rendezvous`, shared by all its ranks.
+      rank: this rank's index, ``0 <= rank < rendezvous.size``.
+    """
 
     def __init__(self, rendezvous: Rendezvous, rank: int):
         self._rv = rendezvous
@@ -131,9 +147,11 @@ class SimulatedCommunicator:
 
     # -- bookkeeping ----------------------------------------------------------------------
     def bytes_sent(self, op: str | None = None) -> float:
+        """Bytes this rank put on the wire so far, over every collective or only ``op``'s ("allreduce"...)."""
         return sum(s.nbytes for s in self.sent if op is None or s.op == op)
 
     def ops(self) -> list[str]:
+        """The collectives this rank called, in order."""
         return [s.op for s in self.sent]
 
     def _collective(self, op: str, x, extra: tuple, nbytes_factor: float) -> list[np.ndarray]:
@@ -220,6 +238,26 @@ def run(n: int, fn: Callable[[SimulatedCommunicator], Any], timeout: float = 5.0
 
     The first exception raised on any rank is re-raised here (a rank's own error
     before the ``CollectiveError`` it caused on the others).
+
+    Args:
+      n: the number of ranks (threads).
+      fn: called once per rank with that rank's :class:`SimulatedCommunicator`.
+      timeout: seconds a collective waits for every rank; a rank that skips one fails the others this fast.
+      local_size: ranks per node: each communicator is then a :class:`HierarchicalSimulatedCommunicator`
+        (``comm.within``, ``comm.across``), for algorithms that run over nodes.
+
+    Example::
+
+        import numpy as np
+        from bagua_x.algorithms import GradientAllReduce
+        from bagua_x.testing import flat_layout, run
+
+        xs = [np.full(4, r, np.float32) for r in range(3)]
+        def step(comm):
+            algorithm, x = GradientAllReduce(), xs[comm.rank]
+            state = algorithm.init(x, flat_layout(x), comm.size)
+            return algorithm.reduce(x, flat_layout(x), state, comm)[0]
+        results, comms = run(3, step)  # every result is [1, 1, 1, 1]; comms[r].sent: what rank r sent
     """
     if local_size is None:
         rendezvous = [Rendezvous(n, timeout)]
@@ -257,6 +295,11 @@ def run(n: int, fn: Callable[[SimulatedCommunicator], Any], timeout: float = 5.0
 
 
 def flat_layout(x_or_numel, dtype: str = "float32") -> BucketLayout:
-    """The layout of a bucket holding one 1-D tensor: ``x``'s length, or ``numel`` elements."""
+    """The layout of a bucket holding one 1-D tensor named "x": ``x``'s length, or ``numel`` elements.
+
+    Args:
+      x_or_numel: a 1-D array (its length is used) or an element count.
+      dtype: the bucket's dtype name.
+    """
     numel = x_or_numel if isinstance(x_or_numel, int) else len(x_or_numel)
     return BucketLayout(["x"], [(numel,)], dtype)
