@@ -7,9 +7,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 import pytest  # noqa: E402
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
-# launch.py, the numpy references and each frontend's worker modules import by plain name.
-for sub in ("", "algorithms", "torch", "jax"):
-    path = os.path.join(_TESTS, sub)
+# launch.py, the numpy references, each frontend's worker modules and examples/own_algorithm.py import by plain name.
+for sub in ("", "algorithms", "torch", "jax", "../examples"):
+    path = os.path.normpath(os.path.join(_TESTS, sub))
     if path not in sys.path:
         sys.path.insert(0, path)
 
