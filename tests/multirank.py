@@ -24,7 +24,7 @@ class RankFailed(AssertionError):
     """The test body failed on a rank: the message carries that rank's traceback."""
 
 
-def multirank(nproc: int = 2, timeout: float = 120, env: dict | None = None):
+def multirank(nproc: int = 2, timeout: float = 120, env: dict | None = None, init_process_group: bool = True):
     """Run the decorated test's body on ``nproc`` processes with torch.distributed (gloo) initialised.
 
     Args:
@@ -32,12 +32,15 @@ def multirank(nproc: int = 2, timeout: float = 120, env: dict | None = None):
         timeout: seconds for the whole run; a collective still waiting after half of it raises on its rank
             (gloo's timeout), and a rank still running at the end is killed: a hang fails the test.
         env: added to every rank's environment (``LOCAL_WORLD_SIZE``...).
+        init_process_group: False leaves torch.distributed uninitialised (for tests of code that initialises
+            it from the torchrun-style variables every rank has).
     """
     def decorate(body):
         @functools.wraps(body)
         def test(*args, **kwargs):
             outcomes = run_workers("multirank:run_body", nproc=nproc, timeout=timeout, env=env,
-                                   args=(body.__code__.co_filename, body.__qualname__, args, kwargs, timeout / 2))
+                                   args=(body.__code__.co_filename, body.__qualname__, args, kwargs,
+                                         timeout / 2 if init_process_group else None))
             failures = sorted((o[1], rank, o[2]) for rank, o in enumerate(outcomes) if o is not None)
             if failures:
                 _, rank, trace = failures[0]
@@ -49,8 +52,9 @@ def multirank(nproc: int = 2, timeout: float = 120, env: dict | None = None):
     return decorate
 
 
-def run_body(path: str, qualname: str, args: tuple, kwargs: dict, collective_timeout: float):
-    """One rank: the test's undecorated body; ``None`` when it passes, ``(time, traceback)`` when it fails."""
+def run_body(path: str, qualname: str, args: tuple, kwargs: dict, collective_timeout: float | None):
+    """One rank: the test's undecorated body; ``None`` when it passes, ``("failed", time, traceback)`` when it
+    fails.  ``collective_timeout``: gloo's, or None to leave torch.distributed uninitialised."""
     import datetime
 
     import torch.distributed as dist
@@ -62,10 +66,12 @@ def run_body(path: str, qualname: str, args: tuple, kwargs: dict, collective_tim
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     body = functools.reduce(getattr, qualname.split("."), module).__wrapped__
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=collective_timeout))
+    if collective_timeout is not None:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=collective_timeout))
     try:
         body(*args, **kwargs)
     except BaseException:  # noqa: BLE001 - reported with its rank by the decorator
         return ("failed", time.time(), traceback.format_exc())
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return None
