@@ -5,14 +5,15 @@ result with a reference written from the algorithm's formula with these function
 code with ``bagua_x.algorithms``, so such a test catches a wrong formula on either side.  ``xs`` is a
 list with one flat float32 array per rank.
 
-Example::
-
+Example:
+    ```python
     import numpy as np
     from bagua_x.testing import reference
 
     xs = [np.random.default_rng(r).standard_normal(8).astype(np.float32) for r in range(4)]
     want = reference.allreduce(xs)  # every rank's result: the mean of the four
     code, low, high = reference.quantize(xs[0])  # Bagua's MinMaxUInt8 of one chunk
+    ```
 """
 
 from __future__ import annotations

@@ -246,8 +246,8 @@ def run(n: int, fn: Callable[[SimulatedCommunicator], Any], timeout: float = 5.0
       local_size: ranks per node: each communicator is then a :class:`HierarchicalSimulatedCommunicator`
         (``comm.within``, ``comm.across``), for algorithms that run over nodes.
 
-    Example::
-
+    Example:
+        ```python
         import numpy as np
         from bagua_x.algorithms import GradientAllReduce
         from bagua_x.testing import flat_layout, run
@@ -258,6 +258,7 @@ def run(n: int, fn: Callable[[SimulatedCommunicator], Any], timeout: float = 5.0
             state = algorithm.init(x, flat_layout(x), comm.size)
             return algorithm.reduce(x, flat_layout(x), state, comm)[0]
         results, comms = run(3, step)  # every result is [1, 1, 1, 1]; comms[r].sent: what rank r sent
+        ```
     """
     if local_size is None:
         rendezvous = [Rendezvous(n, timeout)]

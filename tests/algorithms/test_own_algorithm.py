@@ -1,9 +1,7 @@
 """docs/write-your-own-algorithm.md's algorithm (examples/own_algorithm.py) on 2, 3, 4 and 8 simulated ranks, and
 the page's code checked against the files it comes from."""
 
-import re
-from pathlib import Path
-
+# --8<-- [start:simulated]
 import numpy as np
 import pytest
 
@@ -40,13 +38,17 @@ def test_the_mean_to_float16_precision(n):
         assert comm.bytes_sent() == Float16AllReduce().wire_bytes(flat_layout(1000), 4, n)
         assert comm.bytes_sent() == 2 * (n - 1) / n * 1000 * 2
 
+# --8<-- [end:simulated]
 
+
+# --8<-- [start:overflow]
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_no_overflow_where_one_rank_fits_float16(n):
     xs = [np.full(4, 60000.0, np.float32) for _ in range(n)]  # float16's largest is 65504
     results, _ = reduce_on_every_rank(xs)
     for out in results:
         assert np.all(np.abs(out - 60000.0) <= n * 2.0**-11 * 60000.0)
+# --8<-- [end:overflow]
 
 
 def lines_in(block: str, source: str) -> bool:
@@ -56,13 +58,24 @@ def lines_in(block: str, source: str) -> bool:
 
 
 def test_the_page_shows_the_tested_code():
+    """The page includes the algorithm and its tests from these files (pymdownx.snippets, whole files or
+    ``# --8<-- [start:...]`` sections), and its usage lines are the frontend tests' own."""
+    import re
+    from pathlib import Path
+
     root = Path(__file__).resolve().parents[2]
     page = (root / "docs" / "write-your-own-algorithm.md").read_text()
-    sources = [(root / path).read_text() for path in (
-        "examples/own_algorithm.py", "tests/algorithms/test_own_algorithm.py",
-        "tests/torch/test_torch_own_algorithm.py", "tests/jax/test_jax_own_algorithm.py")]
     blocks = re.findall(r"```python\n(.*?)```", page, re.S)
-    assert len(blocks) == 5
-    for block in blocks:
-        assert any(lines_in(block, source) for source in sources), f"the page's code is in none of its files:\n{block}"
-    assert blocks[0] == sources[0]  # the algorithm whole, as it is tested
+    included = [re.fullmatch(r'--8<-- "([^":]+)(?::(\w+))?"\n', block) for block in blocks]
+    assert [m.groups() for m in included if m] == [("examples/own_algorithm.py", None),
+                                                  ("tests/algorithms/test_own_algorithm.py", "simulated"),
+                                                  ("tests/algorithms/test_own_algorithm.py", "overflow")]
+    this = Path(__file__).read_text()
+    for section in ("simulated", "overflow"):
+        assert this.count(f"# --8<-- [start:{section}]\n") == this.count(f"# --8<-- [end:{section}]\n") == 1
+    usage = [block for block, m in zip(blocks, included) if not m]
+    frontends = [(root / "tests" / path).read_text() for path in ("torch/test_torch_own_algorithm.py",
+                                                                  "jax/test_jax_own_algorithm.py")]
+    assert len(usage) == 2
+    for block, source in zip(usage, frontends):
+        assert lines_in(block, source), f"the page's code is not {source}'s:\n{block}"
