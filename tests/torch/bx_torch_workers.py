@@ -29,47 +29,6 @@ def rank_data(rank, shape, dtype="float32", seed=0):
     return rng.standard_normal(shape).astype(dtype)
 
 
-def communicator_ops():
-    import torch
-
-    from bagua_x.core import ReduceOp
-    from bagua_x.torch import TorchCommunicator
-
-    rank, size = init()
-    comm = TorchCommunicator()
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-    x = t(rank_data(rank, (size, 6)))
-    x_keep = x.clone()
-    u = t(rank_data(rank, (size, 5), "uint8"))
-    out = {"rank": comm.rank, "size": comm.size}
-    for op in ReduceOp:
-        out[f"allreduce_{op.value}"] = comm.allreduce(x, op).numpy()
-        out[f"reduce_scatter_{op.value}"] = comm.reduce_scatter(x, op).numpy()
-    out["allreduce_int_avg"] = comm.allreduce(torch.tensor([rank * 3 + 1], dtype=torch.int64), ReduceOp.AVG).numpy()
-    out["allgather"] = comm.allgather(x).numpy()
-    out["allgather_u8"] = comm.allgather(u).numpy()
-    out["alltoall"] = comm.alltoall(x).numpy()
-    out["alltoall_u8"] = comm.alltoall(u).numpy()
-    out["broadcast"] = comm.broadcast(x, root=1).numpy()
-    ring = [(i, (i + 1) % size) for i in range(size)]
-    out["permute_ring"] = comm.permute(x, ring).numpy()
-    out["permute_ring_u8"] = comm.permute(u, ring).numpy()
-    out["permute_self"] = comm.permute(x, [(i, i) for i in range(size)]).numpy()
-    out["permute_partial"] = comm.permute(x, [(0, 1)]).numpy()
-    out["switch"] = comm.switch(torch.tensor(1), [lambda v: v * 0, lambda v: v + 1], torch.ones(2)).numpy()
-    out["input_untouched"] = bool(torch.equal(x, x_keep))
-    with comm.donate(x):
-        y = comm.allreduce(x, ReduceOp.SUM)
-    out["donated_in_place"] = y is x
-    try:
-        comm.alltoall(torch.zeros(size + 1, 2))
-    except Exception as e:  # noqa: BLE001
-        out["bad_rows"] = f"{type(e).__name__}: {e}"
-    bf = comm.allreduce(torch.full((3,), float(rank + 1), dtype=torch.bfloat16), ReduceOp.AVG)
-    out["bf16_avg"] = (str(bf.dtype), bf.float().numpy())
-    return out
-
-
 # -- training against torch DDP --------------------------------------------------------------
 
 def _models(scenario):
