@@ -29,7 +29,8 @@ def test_matches_bagua_formula_on_ordinary_gradients():
         assert np.array_equal(prow[-HEADER_BYTES:].view(np.float32), [mn, mx])  # the header: min, max as float32
         np.testing.assert_array_equal(qrow, rq)  # the codes are Bagua's exactly
         # seen: 0 (a quantisation step here is 2.7e-3)
-        np.testing.assert_allclose(decompress_rows(prow[None])[0], testing.reference.dequantize(rq, mn, mx), rtol=0, atol=1e-8)
+        np.testing.assert_allclose(decompress_rows(prow[None])[0], testing.reference.dequantize(rq, mn, mx),
+                                   rtol=0, atol=1e-8)
 
 
 def test_is_really_quantized():
