@@ -189,7 +189,7 @@ def rank_inputs(r: int, n: int):
 def _ops(x, u):
     import jax.numpy as jnp
 
-    from bagua_x.algorithms import GradientAllReduce
+    from bagua_x.algorithms import EmptyState, GradientAllReduce
     from bagua_x.core import ReduceOp
     from bagua_x.jax import AxisCommunicator
 
@@ -199,7 +199,7 @@ def _ops(x, u):
     ring = [(i, (i + 1) % n) for i in range(n)]
     # two levels under pmap, flat under shard_map: the same numbers
     hier = lambda v, average: jnp.reshape(GradientAllReduce(average, hierarchical=True).reduce(  # noqa: E731
-        jnp.reshape(v, (-1,)), None, {}, h)[0], v.shape)
+        jnp.reshape(v, (-1,)), None, EmptyState(), h)[0], v.shape)
     return {
         "hier_sum": hier(x, False), "hier_avg": hier(x, True),
         "hier_odd": hier(x[0], False),  # 3 elements: padded to share among 2 devices
