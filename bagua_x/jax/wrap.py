@@ -6,16 +6,16 @@ into buckets per dtype (``plan_buckets``) and checks that every process wrapped
 the same tree.  Inside the pmapped / shard_mapped step, ``reduce_gradients``
 and ``sync_params`` pack each bucket into one flat array, run the algorithm on
 it through an :class:`AxisCommunicator` and unpack; under ``jit`` XLA fuses the
-copies.
+copies.  Across processes one collective per bucket instead of one per leaf is
+what makes this fast (per-collective latency dominates on gloo); in one
+process only small leaves are worth packing.
 
 One rule for the four step-side calls: each communicates for the algorithms
 whose ``target`` it is made for -- ``reduce_gradients`` and
 ``gradient_transformation`` for gradients, ``sync_params`` for weights,
 ``optimizer`` for the momentum (QAdam) -- and raises a BaguaXError naming the
 call that does communicate for any other, so a step can never silently skip
-the communication (a call that passed the tree through unchanged would).  Across processes one collective per bucket instead of one per leaf is
-what makes this fast (per-collective latency dominates on gloo); in one
-process only small leaves are worth packing.
+the communication (a call that passed the tree through unchanged would).
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ def simulate(alg, n):
         x = start(n)[c.rank]
         state = alg.init(x, flat_layout(x), n)
         assert int(state.step) == 0
-        for key in ("w", "left", "right"):  # copies of x, not x itself
-            assert np.array_equal(getattr(state, key), x) and getattr(state, key) is not x and getattr(state, key).dtype == np.float32
+        for copy in (state.w, state.left, state.right):  # copies of x, not x itself
+            assert np.array_equal(copy, x) and copy is not x and copy.dtype == np.float32
         history = []
         for t in range(STEPS):
             x, state = alg.reduce(x + noise(n, t)[c.rank], flat_layout(x + noise(n, t)[c.rank]), state, c)
