@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import bagua_x.torch as bxt
-from bagua_x.algorithms import GradientAllReduce
+from bagua_x.algorithms import EmptyState, GradientAllReduce
 from bagua_x.core import ReduceOp
 
 
@@ -77,7 +77,7 @@ def main():
     two_level = GradientAllReduce(average=False, hierarchical=True)
     res["allreduce_mb"] = args.mb / 2
     res["flat_allreduce_s"] = timed(lambda: dist.all_reduce(half), args.reps)
-    res["hierarchical_allreduce_s"] = timed(lambda: two_level.reduce(half, None, {}, comm), args.reps)
+    res["hierarchical_allreduce_s"] = timed(lambda: two_level.reduce(half, None, EmptyState(), comm), args.reps)
     rows = half.reshape(local, -1)  # the hierarchical steps alone
     res["node_reduce_scatter_s"] = timed(lambda: comm.within.reduce_scatter(rows, ReduceOp.SUM), args.reps)
     res["across_allreduce_s"] = timed(lambda: comm.across.allreduce(rows[0], ReduceOp.SUM), args.reps)

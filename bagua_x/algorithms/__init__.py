@@ -1,15 +1,16 @@
 """Communication algorithms, each written once on the Array API and the Communicator protocol."""
 
 from .allreduce import GradientAllReduce
-from .base import Algorithm, Phase, Target
+from .base import Algorithm, EmptyState, Phase, Target
 from .bytegrad import ByteGrad
-from .decentralized import Decentralized
-from .low_precision_decentralized import LowPrecisionDecentralized
-from .model_average import AsyncModelAverage, ModelAverage
-from .powersgd import PowerSGD
-from .qadam import QAdam
+from .decentralized import Decentralized, DecentralizedState
+from .low_precision_decentralized import LowPrecisionDecentralized, LowPrecisionDecentralizedState
+from .model_average import AsyncModelAverage, ModelAverage, ModelAverageState
+from .powersgd import PowerSGD, PowerSGDState
+from .qadam import QAdam, QAdamState
 
 __all__ = [
-    "Algorithm", "Target", "Phase", "GradientAllReduce", "ByteGrad", "Decentralized",
-    "LowPrecisionDecentralized", "ModelAverage", "AsyncModelAverage", "QAdam", "PowerSGD",
+    "Algorithm", "Target", "Phase", "EmptyState", "GradientAllReduce", "ByteGrad", "Decentralized",
+    "DecentralizedState", "LowPrecisionDecentralized", "LowPrecisionDecentralizedState", "ModelAverage",
+    "ModelAverageState", "AsyncModelAverage", "QAdam", "QAdamState", "PowerSGD", "PowerSGDState",
 ]

@@ -5,8 +5,11 @@ pair of pure functions over one bucket -- its flat buffer and its
 :class:`~bagua_x.core.bucket.BucketLayout` (each tensor's name, shape and
 offset, so an algorithm can work per tensor, as PowerSGD does per matrix):
 
-* ``init(flat, layout, world_size) -> state``: the per-bucket state (a dict of
-  arrays, so JAX can thread it through a jitted step and torch can keep it).
+* ``init(flat, layout, world_size) -> state``: the per-bucket state, a
+  ``NamedTuple`` of arrays defined next to its algorithm (``PowerSGDState``...),
+  as optax does: JAX threads it through a jitted step as a pytree, torch saves
+  its ``_asdict()`` and loads it back with :func:`state_from_dict`, and a
+  misspelt field is an ``AttributeError`` instead of a silent miss.
 * ``reduce(flat, layout, state, comm) -> (flat, state)``: the communication,
   using the Array API (``array_api_compat.array_namespace``) for math and the
   :class:`~bagua_x.core.Communicator` for collectives.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import array_api_compat
 
@@ -28,7 +31,8 @@ from ..core.bucket import BucketLayout
 from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
 
-__all__ = ["Target", "Phase", "Algorithm", "namespace", "counter", "every", "ring_allreduce_bytes", "compressed_bytes",
+__all__ = ["Target", "Phase", "Algorithm", "EmptyState", "state_from_dict", "namespace", "counter", "every",
+           "ring_allreduce_bytes", "compressed_bytes",
            "NodeAware", "hierarchical", "two_level_on", "over_nodes"]
 
 
@@ -43,6 +47,28 @@ class Phase(enum.Enum):
     AFTER_STEP = "after_step"  # after the optimizer changed the weights
     BEFORE_FORWARD = "before_forward"  # launched at forward, finished before the step
     BACKGROUND = "background"  # on a thread of its own, decoupled from the steps (torch only)
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless algorithm (optax's ``EmptyState``)."""
+
+
+def state_from_dict(template: NamedTuple, saved: dict, where: str) -> NamedTuple:
+    """``saved`` (a state's ``_asdict()``, e.g. from a checkpoint) as a state of ``template``'s type.
+
+    Raises naming ``where`` and the missing or unknown fields, so a checkpoint of
+    another algorithm (or version) never loads half its state silently.
+    """
+    fields = type(template)._fields
+    missing = [f for f in fields if f not in saved]
+    unknown = sorted(str(k) for k in saved if k not in fields)
+    if missing or unknown:
+        raise BaguaXError(
+            f"the saved algorithm state of {where} does not fit {type(template).__name__} (fields {list(fields)}): "
+            f"missing {missing}, unknown {unknown}; it was saved with another algorithm or settings: load a state "
+            "saved with the same ones"
+        )
+    return type(template)(**{f: saved[f] for f in fields})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,31 +103,32 @@ class Algorithm:
         """Bucket buffers are padded to a multiple of this many elements."""
         return 1
 
-    def init(self, flat, layout: BucketLayout, world_size: int) -> dict:
+    def init(self, flat, layout: BucketLayout, world_size: int) -> NamedTuple:
         """Per-bucket state, built from the bucket's initial flat buffer."""
-        return {}
+        return EmptyState()
 
-    def reduce(self, flat, layout: BucketLayout, state: dict, comm) -> tuple[Any, dict]:
+    def reduce(self, flat, layout: BucketLayout, state: NamedTuple, comm) -> tuple[Any, NamedTuple]:
         raise NotImplementedError
 
-    def split_state(self, state: dict, layout: BucketLayout) -> list[dict]:
+    def split_state(self, state: NamedTuple, layout: BucketLayout) -> list[NamedTuple]:
         """``state`` cut into one piece per tensor of ``layout`` (padding dropped).
 
         So a frontend whose buckets are regrouped by someone else (DDP's rebuild
         after its first step, or a fresh DDP after a resume: the comm hook) can
         keep each tensor's state instead of starting the new bucket afresh.
-        :meth:`join_state` is the inverse.  Stateless algorithms need nothing more.
+        Each piece is of the state's own type.  :meth:`join_state` is the inverse.
+        Stateless algorithms need nothing more.
         """
-        if state:
+        if state._fields:
             raise BaguaXError(
-                f"{type(self).__name__} keeps per-bucket state ({sorted(state)}) that it cannot split per tensor, so "
-                "it cannot follow tensors into other buckets; keep the same buckets (bagua_x.torch.wrap)"
+                f"{type(self).__name__} keeps per-bucket state ({list(state._fields)}) that it cannot split per "
+                "tensor, so it cannot follow tensors into other buckets; keep the same buckets (bagua_x.torch.wrap)"
             )
-        return [{} for _ in layout.slots]
+        return [EmptyState() for _ in layout.slots]
 
-    def join_state(self, pieces: list[dict], layout: BucketLayout) -> dict:
+    def join_state(self, pieces: list[NamedTuple], layout: BucketLayout) -> NamedTuple:
         """A bucket's state (laid out as ``layout``) from its tensors' pieces (:meth:`split_state`), in slot order."""
-        return {}
+        return EmptyState()
 
     def wire_bytes(self, layout: BucketLayout, itemsize: int, world_size: int) -> float:
         """Bytes each rank sends per training step for a bucket laid out as ``layout`` (steady state)."""

@@ -18,13 +18,17 @@ rank of a node ends with the node's result (:func:`~.base.over_nodes`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
 from .base import Algorithm, NodeAware, Phase, Target, counter, every, namespace, over_nodes, ring_allreduce_bytes
 
-__all__ = ["Decentralized", "shift_one_peer", "shift_one_pairs"]
+__all__ = ["Decentralized", "DecentralizedState", "shift_one_peer", "shift_one_pairs"]
+
+
+class DecentralizedState(NamedTuple):
+    step: Any  # communications so far (counter): picks the interval's steps and shift_one's peer
 
 
 def shift_one_peer(rank: int, size: int, s: int) -> int:
@@ -79,7 +83,7 @@ class Decentralized(NodeAware, Algorithm):
                 f"Decentralized(peer_selection_mode='shift_one') needs an even number of ranks (it pairs them), "
                 f"got {world_size}; use peer_selection_mode='all' instead"
             )
-        return {"step": counter(namespace(flat))}
+        return DecentralizedState(step=counter(namespace(flat)))
 
     def wire_bytes(self, layout, itemsize, world_size):
         numel = layout.padded_numel
@@ -88,7 +92,7 @@ class Decentralized(NodeAware, Algorithm):
         return numel * itemsize / self.communication_interval
 
     def reduce(self, flat, layout, state, comm):
-        step = state["step"]
+        step = state.step
 
         def exchange(x, ranks):
             if self.peer_selection_mode == "all":
@@ -109,4 +113,4 @@ class Decentralized(NodeAware, Algorithm):
             communicate = lambda x: over_nodes(x, comm, exchange)  # noqa: E731
         else:
             communicate = lambda x: exchange(x, comm)  # noqa: E731
-        return every(comm, step, self.communication_interval, communicate, flat), {"step": step + 1}
+        return every(comm, step, self.communication_interval, communicate, flat), DecentralizedState(step=step + 1)

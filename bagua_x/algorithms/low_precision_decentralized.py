@@ -19,7 +19,7 @@ bucket as one row; here each shard has its own min/max.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
@@ -27,7 +27,16 @@ from .base import Algorithm, NodeAware, Phase, Target, counter, every, namespace
 from .compression import dequantize, pack_rows, quantize, unpack_rows
 from .kernels import kernel
 
-__all__ = ["LowPrecisionDecentralized"]
+__all__ = ["LowPrecisionDecentralized", "LowPrecisionDecentralizedState"]
+
+
+class LowPrecisionDecentralizedState(NamedTuple):
+    """Float32, laid out as the bucket, except the step counter."""
+
+    step: Any  # steps so far (counter): picks the communication_interval's steps
+    w: Any  # the weights after the last exchange
+    left: Any  # the estimate of the left neighbour's weights
+    right: Any  # the estimate of the right neighbour's weights
 
 
 @kernel
@@ -75,7 +84,7 @@ class LowPrecisionDecentralized(NodeAware, Algorithm):
     def init(self, flat, layout, world_size):
         xp = namespace(flat)
         copy = lambda: xp.astype(flat, xp.float32, copy=True)  # noqa: E731
-        return {"step": counter(xp), "w": copy(), "left": copy(), "right": copy()}
+        return LowPrecisionDecentralizedState(step=counter(xp), w=copy(), left=copy(), right=copy())
 
     def wire_bytes(self, layout, itemsize, world_size):
         neighbours = 1 if world_size == 2 else 2  # uint8 differences to each neighbour (one on a ring of two)
@@ -90,9 +99,9 @@ class LowPrecisionDecentralized(NodeAware, Algorithm):
             x, left, right = step(x, w, left, right, comm)
             return x, x, left, right
 
-        carry = (xp.astype(flat, xp.float32, copy=False), state["w"], state["left"], state["right"])
-        x, w, left, right = every(comm, state["step"], self.communication_interval, communicate, carry)
-        new_state = {"step": state["step"] + 1, "w": w, "left": left, "right": right}
+        carry = (xp.astype(flat, xp.float32, copy=False), state.w, state.left, state.right)
+        x, w, left, right = every(comm, state.step, self.communication_interval, communicate, carry)
+        new_state = LowPrecisionDecentralizedState(step=state.step + 1, w=w, left=left, right=right)
         return xp.astype(x, flat.dtype), new_state
 
     @staticmethod

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
 from .base import Algorithm, Phase, Target, counter, every, namespace, ring_allreduce_bytes
 
-__all__ = ["ModelAverage", "AsyncModelAverage", "async_average_delta"]
+__all__ = ["ModelAverage", "ModelAverageState", "AsyncModelAverage"]
+
+
+class ModelAverageState(NamedTuple):
+    step: Any  # optimizer steps so far (counter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,29 +35,33 @@ class ModelAverage(Algorithm):
             raise BaguaXError(f"ModelAverage: period must be >= 1, got {self.period}")
 
     def init(self, flat, layout, world_size):
-        return {"step": counter(namespace(flat))}
+        return ModelAverageState(step=counter(namespace(flat)))
 
     def wire_bytes(self, layout, itemsize, world_size):
         return ring_allreduce_bytes(layout.padded_numel, itemsize, world_size) / self.period
 
     def reduce(self, flat, layout, state, comm):
-        step = state["step"] + 1  # average after steps period, 2*period, ...
+        step = state.step + 1  # average after steps period, 2*period, ...
         x = every(comm, step, self.period, lambda y: comm.allreduce(y, ReduceOp.AVG), flat)
-        return x, {"step": step}
-
-
-def async_average_delta(snapshot, comm):
-    """What to add to the live weights: ``allreduce_sum(s)/N - s`` for a snapshot ``s``.
-
-    Adding the delta (instead of overwriting) keeps the local progress made
-    while the allreduce was in flight.
-    """
-    return comm.allreduce(snapshot, ReduceOp.SUM) / comm.size - snapshot
+        return x, ModelAverageState(step=step)
 
 
 @dataclasses.dataclass(frozen=True)
 class AsyncModelAverage(Algorithm):
-    """Background weight averaging every ``sync_interval_ms`` (torch frontend only)."""
+    """Weights averaged by a background thread every ``sync_interval_ms`` while training goes on.
+
+    :meth:`reduce` is the averaging, ``allreduce_sum(s) / N`` of a snapshot
+    ``s`` of a weight bucket.  The schedule is frontend code, and only torch
+    has it (``bagua_x/torch/async_average.py``): its thread snapshots the
+    weights, runs :meth:`reduce` on its own process group and adds
+    ``reduce(s) - s`` to the live weights, keeping the local progress made
+    meanwhile.  JAX's weights are immutable, so ``bagua_x.jax.wrap`` refuses this
+    algorithm (use :class:`ModelAverage`).
+
+    Args:
+        sync_interval_ms: milliseconds between the starts of two averaging rounds.
+        warmup_steps: optimizer steps of synchronous gradient allreduce before averaging starts.
+    """
 
     sync_interval_ms: int = 500
     warmup_steps: int = 0
@@ -61,4 +70,4 @@ class AsyncModelAverage(Algorithm):
     phase = Phase.BACKGROUND
 
     def reduce(self, flat, layout, state, comm):
-        return flat + async_average_delta(flat, comm), state
+        return comm.allreduce(flat, ReduceOp.SUM) / comm.size, state

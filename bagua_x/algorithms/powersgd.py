@@ -37,6 +37,7 @@ and traceable by JAX (a ``where`` on a per-column mask, no data-dependent branch
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import array_api_compat
 import numpy as np
@@ -45,7 +46,13 @@ from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
 from .base import Algorithm, counter, namespace, ring_allreduce_bytes
 
-__all__ = ["PowerSGD"]
+__all__ = ["PowerSGD", "PowerSGDState"]
+
+
+class PowerSGDState(NamedTuple):
+    step: Any  # steps so far (counter): compression starts at start_powerSGD_iter
+    q: Any  # every compressed matrix's Q (cols x rank), flattened back to back in bucket order
+    error: Any  # the error feedback, laid out as the bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +166,7 @@ class PowerSGD(Algorithm):
         rng = np.random.default_rng(self.random_seed)  # the same draw on every rank
         q = np.concatenate([rng.standard_normal(m.cols * m.rank) for m in matrices] or [np.zeros(0)])
         q = xp.asarray(q, dtype=flat.dtype, device=array_api_compat.device(flat))
-        return {"step": counter(xp), "q": q, "error": xp.zeros_like(flat)}
+        return PowerSGDState(step=counter(xp), q=q, error=xp.zeros_like(flat))
 
     def wire_bytes(self, layout, itemsize, world_size):
         matrices, plain = self._plan(layout)
@@ -198,7 +205,7 @@ class PowerSGD(Algorithm):
                     start += n
             if matrices:
                 ms = [fed(m) for m in matrices]
-                fresh = _redraw(self.random_seed, state["step"], q.shape[0], q, xp)
+                fresh = _redraw(self.random_seed, state.step, q.shape[0], q, xp)
                 qs = [_orthonormal(_revive(m.q(q, xp), m.q(fresh, xp), xp), xp) for m in matrices]
                 ps = self._exchange([xp.matmul(mat, qm) for mat, qm in zip(ms, qs)], comm, ReduceOp.SUM, xp)
                 ps = [_orthonormal(p, xp) for p in ps]
@@ -214,9 +221,9 @@ class PowerSGD(Algorithm):
                 e = xp.concat([fed_back[o] - pieces[o] for o in offsets])
             return out, q, e
 
-        compressing = xp.astype(state["step"] >= self.start_powerSGD_iter, xp.int32)
-        out, q, e = comm.switch(compressing, [allreduce, compress], (flat, state["q"], state["error"]))
-        return out, {"step": state["step"] + 1, "q": q, "error": e}
+        compressing = xp.astype(state.step >= self.start_powerSGD_iter, xp.int32)
+        out, q, e = comm.switch(compressing, [allreduce, compress], (flat, state.q, state.error))
+        return out, PowerSGDState(step=state.step + 1, q=q, error=e)
 
     def split_state(self, state, layout):
         """Per tensor: the step, its ``Q`` (empty if not compressed) and its error feedback; all per matrix or
@@ -226,22 +233,22 @@ class PowerSGD(Algorithm):
         pieces = []
         for slot in layout.slots:
             m = by_offset.get(slot.offset) if slot.numel else None  # a zero-size slot may share the next offset
-            q = state["q"][m.q_offset : m.q_offset + m.cols * m.rank] if m else state["q"][:0]
-            error = state["error"][slot.offset : slot.offset + slot.numel]
-            pieces.append({"step": state["step"], "q": q, "error": error})
+            q = state.q[m.q_offset : m.q_offset + m.cols * m.rank] if m else state.q[:0]
+            error = state.error[slot.offset : slot.offset + slot.numel]
+            pieces.append(PowerSGDState(step=state.step, q=q, error=error))
         return pieces
 
     def join_state(self, pieces, layout):
         """Pieces back to back in slot order (the padding's error is zero); the step is the largest, so a tensor
         new to the bucket follows the others (DDP reduces every bucket every step: they agree anyway)."""
-        xp = namespace(pieces[0]["error"])
-        first = pieces[0]["error"]
+        xp = namespace(pieces[0].error)
+        first = pieces[0].error
         padding = xp.zeros(layout.padded_numel - layout.numel, dtype=first.dtype, device=array_api_compat.device(first))
-        step = pieces[0]["step"]
+        step = pieces[0].step
         for piece in pieces[1:]:
-            step = xp.maximum(step, piece["step"])
-        return {"step": step, "q": xp.concat([p["q"] for p in pieces]),
-                "error": xp.concat([p["error"] for p in pieces] + [padding])}
+            step = xp.maximum(step, piece.step)
+        return PowerSGDState(step=step, q=xp.concat([p.q for p in pieces]),
+                             error=xp.concat([p.error for p in pieces] + [padding]))
 
     @staticmethod
     def _exchange(arrays: list, comm, op: ReduceOp, xp) -> list:

@@ -12,12 +12,23 @@ Bagua counts the switch slightly differently (its last warmup step updates no
 moment); here step ``warmup_steps`` is an ordinary Adam step.  Bagua declares
 ``weight_decay`` but ignores it; here it is Adam's L2 term.
 
-The pieces are Array API functions so both frontends share them: JAX runs
-:meth:`QAdam.step` (moments, exchange and update) on flat buckets inside
-``dp.optimizer()``; torch's QAdamOptimizer keeps the moments itself, updates
-each parameter's ``exp_avg`` in the backward hook and communicates it through
-the bucket with :meth:`QAdam.reduce` (the optimizer state is the effective
-tensor), like any other algorithm's bucket.
+What this file holds and what the frontends add:
+
+* :meth:`QAdam.reduce` is the exchange after warmup -- the momentum bucket
+  averaged 8-bit -- and both frontends run it: JAX inside :meth:`QAdam.step`,
+  torch on each momentum bucket (the optimizer state is the effective tensor).
+* :meth:`QAdam.step` is the whole optimizer on a flat bucket (moments,
+  warmup allreduce, :meth:`QAdam.reduce`, bias-corrected update), state in
+  :class:`QAdamState`: what JAX's ``dp.optimizer()`` runs.
+* torch's ``QAdamOptimizer`` keeps Adam's moments in its own per-parameter
+  state (``exp_avg``, ``exp_avg_sq``, as ``torch.optim.Adam``, so the usual
+  optimizer state dicts work) and applies the formulas of
+  :func:`adam_moments`, :func:`momentum_update` and :func:`adam_direction`
+  with torch's in-place multi-tensor ops (9x faster than these functions on
+  torch tensors); ``tests/torch/test_torch_qadam.py`` checks it against the
+  same numpy reference as :meth:`QAdam.step`'s tests.
+  That re-expression, the warmup's gradient allreduce and the switch to
+  momentum buckets are torch frontend code (``bagua_x/torch/qadam.py``).
 
 ``hierarchical`` (Bagua's option, default on with >= 2 nodes of >= 2 ranks):
 both exchanges average inside each node in full precision and only between
@@ -27,14 +38,22 @@ nodes run the flat exchange (as :class:`~.bytegrad.ByteGrad` does).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
-from .base import Algorithm, NodeAware, Target, compressed_bytes, counter, namespace, over_nodes
+from .base import Algorithm, EmptyState, NodeAware, Target, compressed_bytes, counter, namespace, over_nodes
 from .bytegrad import compressed_average
 
-__all__ = ["QAdam", "adam_moments", "momentum_update", "adam_direction"]
+__all__ = ["QAdam", "QAdamState", "adam_moments", "momentum_update", "adam_direction"]
+
+
+class QAdamState(NamedTuple):
+    """The optimizer state of :meth:`QAdam.step` for one bucket (laid out as it, except the counter)."""
+
+    step: Any  # completed steps (counter)
+    m: Any  # Adam's first moment: the communicated tensor after warmup
+    v: Any  # Adam's second moment, frozen after warmup
 
 
 def adam_moments(m, v, g, beta1: float, beta2: float):
@@ -105,13 +124,13 @@ class QAdam(NodeAware, Algorithm):
 
     def init(self, flat, layout, world_size):
         xp = namespace(flat)
-        return {"step": counter(xp), "m": xp.zeros_like(flat), "v": xp.zeros_like(flat)}
+        return QAdamState(step=counter(xp), m=xp.zeros_like(flat), v=xp.zeros_like(flat))
 
     def step(self, grad, param, layout, state, comm):
         """One QAdam step on a flat bucket: returns ``(update, new_state)`` (optax style)."""
         xp = namespace(grad)
         b1, b2 = self.betas
-        t = state["step"] + 1
+        t = state.step + 1
         g = grad + self.weight_decay * param if self.weight_decay else grad
         two_level = self.two_level(comm)
 
@@ -127,14 +146,17 @@ class QAdam(NodeAware, Algorithm):
 
         def compressed(carry):
             m, v, g = carry
-            return compressed_average(momentum_update(m, g, b1), comm, True, two_level), v, g
+            return self.reduce(momentum_update(m, g, b1), layout, EmptyState(), comm)[0], v, g
 
         after = xp.astype(t > self.warmup_steps, xp.int32)
-        m, v, _ = comm.switch(after, [warmup, compressed], (state["m"], state["v"], g))
+        m, v, _ = comm.switch(after, [warmup, compressed], (state.m, state.v, g))
         update = adam_direction(m, v, t, self.lr, b1, b2, self.eps)
-        return update, {"step": t, "m": m, "v": v}
+        return update, QAdamState(step=t, m=m, v=v)
 
     def reduce(self, flat, layout, state, comm):
-        """After warmup: the momentum bucket ``flat`` averaged 8-bit (ByteGrad's exchange), for a frontend whose
-        optimizer keeps the moments itself (torch's QAdamOptimizer updates ``exp_avg`` and steps)."""
+        """After warmup: the momentum bucket ``flat`` averaged 8-bit (ByteGrad's exchange).
+
+        The moments live in :class:`QAdamState` (:meth:`step`) or in torch's
+        optimizer, not here: ``state`` is an :class:`~.base.EmptyState`, returned as it is.
+        """
         return compressed_average(flat, comm, True, self.two_level(comm)), state

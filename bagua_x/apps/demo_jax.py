@@ -62,16 +62,20 @@ def _train(algo_name, steps, batch, lr, seed, eval_every, data, rank, world) -> 
     algorithm = make(algo_name, steps)
     dp = bxj.wrap(params, algorithm=algorithm, axis_name="batch")
     tx = dp.optimizer() if algorithm.target is Target.MOMENTUM else optax.sgd(lr, momentum=0.9)
-    sync_first = algorithm.phase == Phase.BEFORE_FORWARD
+    # each call communicates for one target and refuses the others: gradients here, weights
+    # before (decentralized: x <- avg(x_t), then the gradient taken at x_t) or after the update
+    weights = algorithm.target is Target.WEIGHT
+    sync_first = weights and algorithm.phase is Phase.BEFORE_FORWARD
 
     def step(params, opt_state, state, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        grads, state = dp.reduce_gradients(grads, state)
-        if sync_first:  # decentralized: x <- avg(x_t), then the gradient taken at x_t
+        if algorithm.target is Target.GRAD:
+            grads, state = dp.reduce_gradients(grads, state)
+        if sync_first:
             params, state = dp.sync_params(params, state)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        if not sync_first:
+        if weights and not sync_first:
             params, state = dp.sync_params(params, state)
         return params, opt_state, state, loss
 

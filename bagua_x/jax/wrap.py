@@ -9,6 +9,13 @@ it through an :class:`AxisCommunicator` and unpack; under ``jit`` XLA fuses the
 copies.  Across processes one collective per bucket instead of one per leaf is
 what makes this fast (per-collective latency dominates on gloo); in one
 process only small leaves are worth packing.
+
+One rule for the four step-side calls: each communicates for the algorithms
+whose ``target`` it is made for -- ``reduce_gradients`` and
+``gradient_transformation`` for gradients, ``sync_params`` for weights,
+``optimizer`` for the momentum (QAdam) -- and raises a BaguaXError naming the
+call that does communicate for any other, so a step can never silently skip
+the communication (a call that passed the tree through unchanged would).
 """
 
 from __future__ import annotations
@@ -21,13 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..algorithms import Algorithm, GradientAllReduce, Phase, Target
+from ..algorithms import Algorithm, EmptyState, GradientAllReduce, Phase, Target
 from ..core.bucket import BucketLayout, plan_buckets
 from ..core.comm import Feature
 from ..core.errors import BaguaXError
 from ..core.validation import describe
 from .checks import FiniteCheck, check_leaf_dtype, check_registrable
-from .communicator import AxisCommunicator, axis_size, default_local_size
+from .communicator import AxisCommunicator, default_local_size
 from .distributed import check_same_across_processes, heartbeat_timeout
 from .placement import replicate as _replicate
 from .placement import unreplicate as _unreplicate
@@ -82,10 +89,12 @@ class DataParallel:
             for i in registered
         ]
         alignment = self.algorithm.alignment(self.world_size)
-        self.buckets: list[list[int]] = [[registered[j] for j in b] for b in plan_buckets(entries, bucket_cap_mb * 2**20)]
+        #: each bucket's leaves, as indices into the flattened params tree (``names``)
+        self.bucket_leaves: list[list[int]] = [[registered[j] for j in b]
+                                               for b in plan_buckets(entries, bucket_cap_mb * 2**20)]
         self.layouts = [
             BucketLayout([self.names[i] for i in b], [self._shapes[i] for i in b], str(self._dtypes[b[0]]), alignment)
-            for b in self.buckets
+            for b in self.bucket_leaves
         ]
         per_leaf_ok = self.algorithm.elementwise
         if pack_buckets is False and not per_leaf_ok:
@@ -121,12 +130,12 @@ class DataParallel:
         )
         logger.info(
             "bagua_x.jax.wrap: %d leaves in %d buckets, %s, world size %d%s",
-            len(flat), len(self.buckets), self.algorithm.hyperparameters(), self.world_size,
+            len(flat), len(self.bucket_leaves), self.algorithm.hyperparameters(), self.world_size,
             "" if self.pack_buckets else " (per-leaf collectives in one process)",
         )
 
     def __repr__(self) -> str:
-        return (f"DataParallel({len(self.names)} leaves, {len(self.buckets)} buckets, "
+        return (f"DataParallel({len(self.names)} leaves, {len(self.bucket_leaves)} buckets, "
                 f"{self.algorithm!r}, axis_name={self.axis_name!r})")
 
     # -- outside the step: placement -------------------------------------------------------
@@ -145,19 +154,20 @@ class DataParallel:
         return _unreplicate(tree)
 
     def init_state(self, params: Any = None) -> tuple:
-        """The algorithm state for one device: a tuple with one dict per bucket (pure, jit-safe).
+        """The algorithm state for one device: a tuple with one state per bucket, each the algorithm's
+        ``NamedTuple`` (``PowerSGDState``...), so a pytree (pure, jit-safe).
 
         Empty for a momentum algorithm (QAdam): its optimizer, :meth:`optimizer`, holds the state.
         """
         if self.algorithm.target is Target.MOMENTUM:
-            return tuple({} for _ in self.buckets)
+            return tuple(EmptyState() for _ in self.bucket_leaves)
         if self.algorithm.target is Target.GRAD:  # gradient state starts from zeros
             leaves = [jnp.zeros(shape, dtype) for shape, dtype in zip(self._shapes, self._dtypes)]
         else:
             leaves = self._leaves(self._initial if params is None else params, "init_state")
         return tuple(
             self.algorithm.init(layout.pack([leaves[i] for i in bucket], xp=jnp), layout, self.world_size)
-            for bucket, layout in zip(self.buckets, self.layouts)
+            for bucket, layout in zip(self.bucket_leaves, self.layouts)
         )
 
     def init(self, params: Any = None, mesh: Optional[jax.sharding.Mesh] = None) -> tuple:
@@ -170,22 +180,22 @@ class DataParallel:
 
     # -- inside the step ----------------------------------------------------------------------
     def reduce_gradients(self, grads: Any, state: tuple) -> tuple[Any, tuple]:
-        """Communicate gradients with a gradient algorithm; identity for weight algorithms."""
-        axis_size(self.axis_name)  # fail outside pmap/shard_map even when there is nothing to do
-        if self.algorithm.target is not Target.GRAD:
-            return grads, state
+        """Communicate gradients with a gradient algorithm (``Target.GRAD``).
+
+        Raises for any other algorithm, naming the call that communicates for it (module docstring).
+        """
+        self._only_for(Target.GRAD, "dp.reduce_gradients(grads, state)")
         return self._run(self.algorithm.reduce, [grads], state, "reduce_gradients")
 
     def sync_params(self, params: Any, state: tuple) -> tuple[Any, tuple]:
-        """Communicate weights with a weight algorithm; identity for gradient algorithms.
+        """Communicate weights with a weight algorithm (``Target.WEIGHT``).
 
         Where to call it follows ``algorithm.phase``: ``BEFORE_FORWARD``
         (Decentralized) between computing gradients and applying them,
         ``AFTER_STEP`` (LowPrecisionDecentralized, ModelAverage) after applying them.
+        Raises for any other algorithm, naming the call that communicates for it (module docstring).
         """
-        axis_size(self.axis_name)
-        if self.algorithm.target is not Target.WEIGHT:
-            return params, state
+        self._only_for(Target.WEIGHT, "dp.sync_params(params, state)")
         return self._run(self.algorithm.reduce, [params], state, "sync_params")
 
     def gradient_transformation(self):
@@ -198,14 +208,7 @@ class DataParallel:
         """
         import optax
 
-        if self.algorithm.target is not Target.GRAD:
-            instead = "dp.optimizer() as the optimizer" if self.algorithm.target is Target.MOMENTUM else (
-                f"params, state = dp.sync_params(params, state) in the step ({self.algorithm.phase.value})")
-            raise BaguaXError(
-                f"dp.gradient_transformation(): {self.algorithm!r} communicates {self.algorithm.target.value}s, not "
-                f"gradients, so this transformation would communicate nothing; use {instead} and a plain optax "
-                "optimizer"
-            )
+        self._only_for(Target.GRAD, "dp.gradient_transformation()")
 
         def update(updates, state, params=None):
             return self.reduce_gradients(updates, state)
@@ -225,19 +228,13 @@ class DataParallel:
         import optax
 
         algorithm = self.algorithm
-        if algorithm.target is not Target.MOMENTUM:
-            raise BaguaXError(
-                f"dp.optimizer() is for algorithms that communicate the optimizer's momentum (QAdam), but this wrap "
-                f"uses {algorithm!r}, which communicates {algorithm.target.value}s; use "
-                f"{'dp.gradient_transformation()' if algorithm.target is Target.GRAD else 'dp.sync_params'} "
-                "with a plain optax optimizer"
-            )
+        self._only_for(Target.MOMENTUM, "dp.optimizer()")
 
         def init(params):
             leaves = self._leaves(params, "optimizer init")
             return tuple(
                 algorithm.init(jnp.zeros((layout.padded_numel,), leaves[bucket[0]].dtype), layout, self.world_size)
-                for bucket, layout in zip(self.buckets, self.layouts)
+                for bucket, layout in zip(self.bucket_leaves, self.layouts)
             )
 
         def update(grads, state, params=None):
@@ -312,6 +309,23 @@ class DataParallel:
         return BaguaXError(message)
 
     # -- internals ------------------------------------------------------------------------------
+    def _only_for(self, target: Target, call: str) -> None:
+        """Raise unless this wrap's algorithm communicates ``target``: ``call`` would communicate nothing."""
+        algorithm = self.algorithm
+        if algorithm.target is target:
+            return
+        instead = {
+            Target.GRAD: "grads, state = dp.reduce_gradients(grads, state) before the optimizer, or "
+                         "optax.chain(dp.gradient_transformation(), <optax optimizer>)",
+            Target.WEIGHT: f"params, state = dp.sync_params(params, state) in the step ({algorithm.phase.value}) "
+                           "with a plain optax optimizer",
+            Target.MOMENTUM: "dp.optimizer() as the whole optimizer",
+        }[algorithm.target]
+        raise BaguaXError(
+            f"{call}: {algorithm!r} communicates {algorithm.target.value}s, not {target.value}s, so this call "
+            f"would communicate nothing; use {instead}"
+        )
+
     def _check_timeout(self, timeout: float) -> float:
         timeout = float(timeout)
         if not timeout > 0:
@@ -355,7 +369,7 @@ class DataParallel:
                     "per-device inputs with [0])"
                 )
         if floats:
-            for bucket in self.buckets:
+            for bucket in self.bucket_leaves:
                 for i in bucket:
                     check_leaf_dtype(where, self.names[i], jnp.result_type(flat[i][1]), self._dtypes[i])
         return [x for _, x in flat]
@@ -374,13 +388,13 @@ class DataParallel:
                 "hierarchical=None (two levels where there are node groups, else flat) or hierarchical=False"
             )
         leaves = [self._leaves(t, where, floats=True) for t in trees]
-        if not isinstance(state, (tuple, list)) or len(state) != len(self.buckets):
+        if not isinstance(state, (tuple, list)) or len(state) != len(self.bucket_leaves):
             raise BaguaXError(
-                f"{where}: expected the state of this wrap (a tuple of {len(self.buckets)} bucket states), got "
+                f"{where}: expected the state of this wrap (a tuple of {len(self.bucket_leaves)} bucket states), got "
                 f"{type(state).__name__}; pass the state from dp.init() or from the transformation's init"
             )
         out, new_state = list(leaves[0]), []
-        for bucket, layout, st in zip(self.buckets, self.layouts, state):
+        for bucket, layout, st in zip(self.bucket_leaves, self.layouts, state):
             if not self.pack_buckets:
                 for i in bucket:  # one leaf is a bucket of its own
                     leaf = BucketLayout([self.names[i]], [self._shapes[i]], str(self._dtypes[i]))
@@ -398,7 +412,7 @@ class DataParallel:
                     out[i] = value.astype(self._dtypes[i])
             new_state.append(st)
         if self._finite is not None:
-            self._finite.insert(out, [i for b in self.buckets for i in b], self.axis_name, where)
+            self._finite.insert(out, [i for b in self.bucket_leaves for i in b], self.axis_name, where)
         return jax.tree_util.tree_unflatten(self._treedef, out), tuple(new_state)
 
 

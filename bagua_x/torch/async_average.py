@@ -4,8 +4,10 @@ As in Bagua, the first ``warmup_steps`` steps are ordinary synchronous
 gradient allreduce (a GradientEngine), so ranks start from a common point.
 Every ``sync_interval_ms`` (once ``warmup_steps`` optimizer steps are done) a
 thread on its own process group takes a snapshot ``s`` of the weights,
-allreduces it and, under the weight lock, adds ``allreduce_sum(s)/N - s`` to
-the live weights -- keeping the local progress made meanwhile.  The training
+averages it with the algorithm's ``reduce`` and, under the weight lock, adds
+``reduce(s) - s`` to the live weights -- keeping the local progress made
+meanwhile.  The averaging is :class:`~bagua_x.algorithms.AsyncModelAverage`'s;
+this schedule (thread, lock, stop flag) is the torch frontend's.  The training
 thread holds the same lock from forward to the end of ``optimizer.step()``, so
 a gradient is always computed and applied on one consistent set of weights.
 
@@ -40,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 from ..algorithms.allreduce import GradientAllReduce
-from ..algorithms.base import Target
-from ..algorithms.model_average import AsyncModelAverage, async_average_delta
+from ..algorithms.base import EmptyState, Target
+from ..algorithms.model_average import AsyncModelAverage
 from ..core.bucket import Bucket
 from ..core.comm import ReduceOp
 from ..core.errors import BaguaXError
@@ -168,7 +170,8 @@ class AsyncAverageEngine:
         with torch.no_grad():
             with self._locked():
                 snapshots = [b.pack() for b in self.buckets]
-            deltas = [async_average_delta(s, self.comm) for s in snapshots]
+            deltas = [self.algorithm.reduce(s, b.layout, EmptyState(), self.comm)[0] - s
+                      for b, s in zip(self.buckets, snapshots)]
             with self._locked():
                 for b, d in zip(self.buckets, deltas):
                     for t, part in zip(b.tensors, b.layout.unpack(d)):

@@ -8,11 +8,11 @@ produces their gradients, so the first bucket is ready first.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from ..algorithms.base import Algorithm, Target
+from ..algorithms.base import Algorithm, Target, state_from_dict
 from ..core.bucket import Bucket, plan_buckets
 from ..core.errors import BaguaXError
 from ..core.tensor import RegisteredTensor, TensorRegistry
@@ -76,25 +76,21 @@ def build_buckets(tensors: Sequence[RegisteredTensor], algorithm: Algorithm, wor
     return [make(f"{prefix}{i}", [tensors[j] for j in idx], alignment) for i, idx in enumerate(plan)]
 
 
-def state_dict_of(buckets: Sequence[Bucket], states: Sequence[dict]) -> dict:
-    """Per-bucket algorithm state, copied (so later steps do not change it)."""
-    return {b.name: {k: _copy(v) for k, v in s.items()} for b, s in zip(buckets, states)}
+def state_dict_of(buckets: Sequence[Bucket], states: Sequence[NamedTuple]) -> dict:
+    """Per-bucket algorithm state as dicts (``_asdict()``), copied (so later steps do not change it)."""
+    return {b.name: {k: _copy(v) for k, v in s._asdict().items()} for b, s in zip(buckets, states)}
 
 
-def load_states(buckets: Sequence[Bucket], states: list[dict], saved: dict) -> None:
+def load_states(buckets: Sequence[Bucket], states: list[NamedTuple], saved: dict) -> None:
+    """``states[i]`` <- bucket ``i``'s saved dict, as the type of the state it replaces."""
     names = [b.name for b in buckets]
     if sorted(saved) != sorted(names):
         raise BaguaXError(
             f"algorithm state has buckets {sorted(saved)}, but this wrapper has {names}; "
             "load a state saved from the same model, algorithm and bucket_cap_mb"
         )
-    for i, b in enumerate(buckets):
-        if sorted(saved[b.name]) != sorted(states[i]):
-            raise BaguaXError(
-                f"algorithm state of bucket {b.name!r} has entries {sorted(saved[b.name])}, "
-                f"expected {sorted(states[i])}; it was saved with a different algorithm"
-            )
-        states[i] = {k: _copy(v) for k, v in saved[b.name].items()}
+    loaded = [state_from_dict(states[i], saved[b.name], f"bucket {b.name!r}") for i, b in enumerate(buckets)]
+    states[:] = [type(s)(*map(_copy, s)) for s in loaded]
 
 
 def _copy(v):

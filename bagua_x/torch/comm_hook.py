@@ -43,12 +43,12 @@ optimizer state after the step, which DDP never hands to a hook; use
 """
 
 import logging
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from ..algorithms.base import Algorithm, Phase, Target
+from ..algorithms.base import Algorithm, Phase, Target, state_from_dict
 from ..core.bucket import BucketLayout
 from ..core.comm import Feature
 from ..core.errors import BaguaXError
@@ -100,9 +100,10 @@ class CommHookState:
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         self.comm = TorchCommunicator(dist.new_group(ranks, backend=dist.get_backend(process_group)))
         #: DDP bucket index -> (its parameters' positions, its layout, its algorithm state)
-        self.buckets: "dict[int, tuple[tuple[int, ...], BucketLayout, dict]]" = {}
-        #: parameter position -> its state while in no bucket (loaded, or left behind by DDP's regrouping)
-        self._loose: "dict[int, dict]" = {}
+        self.buckets: "dict[int, tuple[tuple[int, ...], BucketLayout, NamedTuple]]" = {}
+        #: parameter position -> its state while in no bucket (left behind by DDP's regrouping: a NamedTuple;
+        #: loaded: the saved dict, typed when its parameter's bucket comes)
+        self._loose: "dict[int, Union[NamedTuple, dict]]" = {}
         self._positions: "dict[int, int]" = {}  # id(parameter) -> position, in the order the hook first sees them
         self._parameters: "list[torch.Tensor]" = []  # kept alive, so no other tensor takes their ids
         self._worker: Optional[CommWorker] = None  # started at the first bucket, on the gradients' device
@@ -146,7 +147,7 @@ class CommHookState:
                 f"{type(e).__name__}: {e}"
             ))
 
-    def _state(self, index: int, keys: "tuple[int, ...]", flat: torch.Tensor, layout: BucketLayout) -> dict:
+    def _state(self, index: int, keys: "tuple[int, ...]", flat: torch.Tensor, layout: BucketLayout) -> NamedTuple:
         """The bucket's algorithm state: kept if it holds the same parameters as last time, else joined from its
         parameters' states, wherever they are (a fresh state for a parameter that has none)."""
         kept = self.buckets.get(index)
@@ -162,7 +163,10 @@ class CommHookState:
         fresh = self.algorithm.split_state(self.algorithm.init(flat, layout, self.comm.size), layout)
         pieces = []
         for key, new in zip(keys, fresh):
-            piece = {k: _to(v, flat.device) for k, v in self._loose.pop(key, new).items()}
+            piece = self._loose.pop(key, new)
+            if isinstance(piece, dict):  # loaded
+                piece = state_from_dict(new, piece, f"parameter {key}")
+            piece = type(new)(*(_to(v, flat.device) for v in piece))
             if _shapes(piece) != _shapes(new):
                 raise BaguaXError(
                     f"the loaded state of parameter {key} has shapes {_shapes(piece)}, but this DDP model and "
@@ -177,7 +181,9 @@ class CommHookState:
         pieces = dict(self._loose)
         for keys, layout, state in self.buckets.values():
             pieces.update(zip(keys, self.algorithm.split_state(state, layout)))
-        return {"parameters": {k: {name: _copy(v) for name, v in piece.items()} for k, piece in sorted(pieces.items())}}
+        as_dict = lambda piece: piece if isinstance(piece, dict) else piece._asdict()  # noqa: E731 (loaded: a dict)
+        return {"parameters": {k: {name: _copy(v) for name, v in as_dict(piece).items()}
+                               for k, piece in sorted(pieces.items())}}
 
     def load_algorithm_state_dict(self, saved: dict) -> None:
         """Before the first step: each parameter's state, taken up when DDP first hands the hook its bucket."""
@@ -213,5 +219,5 @@ def _to(v, device):
     return v.to(device) if isinstance(v, torch.Tensor) else v
 
 
-def _shapes(piece: dict) -> dict:
-    return {k: tuple(v.shape) for k, v in piece.items()}
+def _shapes(piece: NamedTuple) -> dict:
+    return {k: tuple(v.shape) for k, v in piece._asdict().items()}

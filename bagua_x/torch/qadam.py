@@ -25,7 +25,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from ..algorithms import GradientAllReduce, QAdam
+from ..algorithms import EmptyState, GradientAllReduce, QAdam
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from ..core.tensor import RegisteredTensor, TensorRegistry
@@ -202,7 +202,7 @@ class MomentumBuckets(BackwardEngine):
             b.flatten()
         super().__init__(tensors, algorithm, comm, options, "bagua_x-momentum-comm")
         self.optimizer = optimizer
-        self._set_buckets(buckets, [{} for _ in buckets])  # QAdam.reduce keeps no state: the optimizer has it
+        self._set_buckets(buckets, [EmptyState() for _ in buckets])  # QAdam.reduce keeps no state: the optimizer has it
 
     @torch.no_grad()
     def _on_ready(self, t: RegisteredTensor) -> None:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from bagua_x import testing
-from bagua_x.algorithms import GradientAllReduce, Phase, Target
+from bagua_x.algorithms import EmptyState, GradientAllReduce, Phase, Target
 from bagua_x.algorithms.base import ring_allreduce_bytes
 from bagua_x.testing import flat_layout, run
 
@@ -43,19 +43,19 @@ def test_matches_reference_over_steps(n, average):
             assert np.abs(got - want[r]).max() <= np.spacing(np.abs(want[r]).max())
             assert np.array_equal(got, out[0][0][t])  # every rank holds the same result
     for (_, state), c in zip(out, comms):
-        assert state == {}
+        assert state == EmptyState()
         assert c.ops() == ["allreduce"] * STEPS
         assert c.bytes_sent() == pytest.approx(STEPS * alg.wire_bytes(flat_layout(1000), 4, n))
 
 
 @pytest.mark.parametrize("average, mean", [(True, True), (False, False)])
 def test_average_flag_selects_mean_or_sum(average, mean):
-    out, _ = run(4, lambda c: GradientAllReduce(average=average).reduce(np.full(3, c.rank + 1.0, np.float32), flat_layout(np.full(3, c.rank + 1.0, np.float32)), {}, c)[0])
+    out, _ = run(4, lambda c: GradientAllReduce(average=average).reduce(np.full(3, c.rank + 1.0, np.float32), flat_layout(np.full(3, c.rank + 1.0, np.float32)), EmptyState(), c)[0])
     assert all(np.array_equal(o, np.full(3, 2.5 if mean else 10.0)) for o in out)  # 1+2+3+4 = 10, exact
 
 
 def test_hierarchical_without_support_is_one_flat_allreduce():
-    out, comms = run(2, lambda c: GradientAllReduce(hierarchical=True).reduce(np.ones(4, np.float32) * c.rank, flat_layout(np.ones(4, np.float32) * c.rank), {}, c)[0])
+    out, comms = run(2, lambda c: GradientAllReduce(hierarchical=True).reduce(np.ones(4, np.float32) * c.rank, flat_layout(np.ones(4, np.float32) * c.rank), EmptyState(), c)[0])
     assert all(c.ops() == ["allreduce"] for c in comms)
     assert all(np.array_equal(o, np.full(4, 0.5)) for o in out)
 
@@ -63,6 +63,6 @@ def test_hierarchical_without_support_is_one_flat_allreduce():
 def test_declarations():
     alg = GradientAllReduce()
     assert (alg.target, alg.phase, alg.donates_input, alg.alignment(8)) == (Target.GRAD, Phase.AFTER_BACKWARD, True, 1)
-    assert alg.init(np.zeros(3, np.float32), flat_layout(np.zeros(3, np.float32)), 4) == {}
+    assert alg.init(np.zeros(3, np.float32), flat_layout(np.zeros(3, np.float32)), 4) == EmptyState()
     assert alg.wire_bytes(flat_layout(1000), 4, 4) == ring_allreduce_bytes(1000, 4, 4) == 2 * 3 / 4 * 4000
     assert alg.hyperparameters() == {"algorithm": "GradientAllReduce", "average": True, "hierarchical": False}

@@ -5,7 +5,7 @@ import pytest
 
 import reference as ref
 from bagua_x import testing
-from bagua_x.algorithms import ByteGrad, Phase, Target
+from bagua_x.algorithms import ByteGrad, EmptyState, Phase, Target
 from bagua_x.algorithms.base import compressed_bytes
 from bagua_x.algorithms.bytegrad import compressed_allreduce
 from bagua_x.testing import flat_layout, run
@@ -50,7 +50,7 @@ def test_matches_reference_over_steps(n, average):
             assert np.abs(got - want[r]).max() <= 1e-7
             assert np.array_equal(got, out[0][0][t])  # all ranks bitwise identical, own chunk included
     for (_, state), c in zip(out, comms):
-        assert state == {}
+        assert state == EmptyState()
         assert c.ops() == ["alltoall", "allgather"] * STEPS
 
 
@@ -58,7 +58,7 @@ def test_matches_reference_over_steps(n, average):
 @pytest.mark.parametrize("average", [True, False])
 def test_wire_is_uint8_codes_of_the_reference(n, average):
     xs = grads(n, 0)
-    out, comms = run(n, lambda c: ByteGrad(average=average).reduce(xs[c.rank].copy(), flat_layout(xs[c.rank].copy()), {}, c)[0])
+    out, comms = run(n, lambda c: ByteGrad(average=average).reduce(xs[c.rank].copy(), flat_layout(xs[c.rank].copy()), EmptyState(), c)[0])
     own = []  # the chunk each rank reduced, as the reference computes it before re-quantising
     for r in range(n):
         s = np.sum([testing.reference.roundtrip(np.split(x, n)[r]) for x in xs], axis=0, dtype=np.float32)
@@ -120,7 +120,7 @@ def test_declarations():
     alg = ByteGrad()
     assert (alg.target, alg.phase, alg.donates_input) == (Target.GRAD, Phase.AFTER_BACKWARD, True)
     assert [alg.alignment(n) for n in SIZES] == SIZES
-    assert alg.init(np.zeros(4, np.float32), flat_layout(np.zeros(4, np.float32)), 4) == {}
+    assert alg.init(np.zeros(4, np.float32), flat_layout(np.zeros(4, np.float32)), 4) == EmptyState()
     assert alg.wire_bytes(flat_layout(4000), 4, 4) == compressed_bytes(4000, 4) == 2 * 3 * (1000 + 8)
 
 
@@ -130,7 +130,7 @@ def test_read_only_bucket_gets_a_new_array():
     def fn(c):
         flat = xs[c.rank].copy()
         flat.flags.writeable = False
-        return ByteGrad().reduce(flat, flat_layout(flat), {}, c)[0], flat
+        return ByteGrad().reduce(flat, flat_layout(flat), EmptyState(), c)[0], flat
     out, _ = run(2, fn)
     for result, flat in out:
         assert result is not flat and np.abs(result - ref.bytegrad(xs)[0]).max() <= 1e-7  # seen 0

@@ -28,7 +28,7 @@ def simulate(alg, n):
         for t in range(STEPS):
             x, state = alg.reduce(x + noise(n, t)[c.rank], flat_layout(x + noise(n, t)[c.rank]), state, c)
             xs.append(x)
-            steps.append(state["step"])
+            steps.append(state.step)
         return xs, steps
     return run(n, fn)
 
@@ -90,7 +90,7 @@ def test_shift_one_refuses_an_odd_number_of_ranks(n):
     alg = Decentralized(peer_selection_mode="shift_one")
     with pytest.raises(BaguaXError, match=rf"even number of ranks.*got {n}.*peer_selection_mode='all' instead"):
         alg.init(np.zeros(4, np.float32), flat_layout(np.zeros(4, np.float32)), n)
-    assert Decentralized().init(np.zeros(4, np.float32), flat_layout(np.zeros(4, np.float32)), n)["step"] == 0  # "all" takes any N
+    assert Decentralized().init(np.zeros(4, np.float32), flat_layout(np.zeros(4, np.float32)), n).step == 0  # "all" takes any N
 
 
 def test_refuses_bad_settings():

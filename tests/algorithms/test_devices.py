@@ -105,7 +105,7 @@ def test_every_array_stays_on_the_buckets_device(alg, form):
     for _ in range(4):  # past QAdam's and PowerSGD's warmups, both branches of every interval
         out, state = alg.reduce(meta_bucket(bucket), bucket, state, comm)
         assert out.device == META and out.shape == (bucket.padded_numel,)
-        for name, value in state.items():
+        for name, value in state._asdict().items():
             assert value.device == (torch.device("cpu") if name == "step" else META), (name, value.device)
     if form == "hierarchical" and hasattr(alg, "hierarchical"):
         assert comm.within.calls and comm.across.calls, "the hierarchical form did not run over nodes"
@@ -121,7 +121,7 @@ def test_qadams_optax_step_stays_on_the_buckets_device(form):
     state = alg.init(meta_bucket(bucket), bucket, comm.size)
     for _ in range(4):
         update, state = alg.step(meta_bucket(bucket), meta_bucket(bucket), bucket, state, comm)
-        assert update.device == META and state["m"].device == state["v"].device == META
+        assert update.device == META and state.m.device == state.v.device == META
 
 
 def test_a_padded_pack_stays_on_the_arrays_device():

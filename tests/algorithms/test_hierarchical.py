@@ -10,7 +10,7 @@ import pytest
 
 import reference as ref
 from bagua_x import testing
-from bagua_x.algorithms import ByteGrad, Decentralized, GradientAllReduce, LowPrecisionDecentralized, QAdam
+from bagua_x.algorithms import ByteGrad, Decentralized, EmptyState, GradientAllReduce, LowPrecisionDecentralized, QAdam
 from bagua_x.algorithms.base import compressed_bytes, over_nodes
 from bagua_x.core import BaguaXError
 from bagua_x.core.comm import Feature, ReduceOp
@@ -70,7 +70,7 @@ def test_flat_when_asked_or_when_the_communicator_has_no_nodes():
     xs = values(4, 0)
     flat_ref = ref.bytegrad(xs)
     for alg, local in [(ByteGrad(hierarchical=False), 2), (ByteGrad(), None), (ByteGrad(hierarchical=True), None)]:
-        out, comms = run(4, lambda c: alg.reduce(xs[c.rank].copy(), flat_layout(NUMEL), {}, c)[0], local_size=local)
+        out, comms = run(4, lambda c: alg.reduce(xs[c.rank].copy(), flat_layout(NUMEL), EmptyState(), c)[0], local_size=local)
         assert all(c.ops() == ["alltoall", "allgather"] for c in comms)
         assert all(np.abs(o - w).max() <= 1e-7 for o, w in zip(out, flat_ref))
 
@@ -129,7 +129,7 @@ def test_low_precision_decentralized(n, local, interval):
         history = []
         for t in range(STEPS):
             x, state = alg.reduce(x + values(n, t, 0.01)[c.rank], flat_layout(NUMEL), state, c)
-            history.append((np.copy(x), {k: np.copy(v) for k, v in state.items()}))
+            history.append((np.copy(x), type(state)(*map(np.copy, state))))
         return history
 
     out, comms = run(n, fn, local_size=local)
@@ -145,8 +145,8 @@ def test_low_precision_decentralized(n, local, interval):
             assert np.abs(x - xs[r]).max() <= 5e-8
             if t % interval == 0:  # after an exchange every rank of a node holds the node's state
                 for key in ("w", "left", "right"):
-                    assert np.abs(state[key] - node_states[r // local][key]).max() <= 5e-8, key  # seen 3e-8
-                    assert np.array_equal(state[key], out[r - r % local][t][1][key])
+                    assert np.abs(getattr(state, key) - node_states[r // local][key]).max() <= 5e-8, key  # seen 3e-8
+                    assert np.array_equal(getattr(state, key), getattr(out[r - r % local][t][1], key))
     exchanges = len(range(0, STEPS, interval))
     neighbours = 1 if n // local == 2 else 2  # a ring of two nodes: the one neighbour's message once
     for c in comms:  # between nodes: this rank's 8-bit shard to both neighbouring nodes
@@ -221,8 +221,8 @@ def test_bytegrad_writes_over_a_writable_bucket_and_leaves_a_read_only_one(local
     def fn(c):
         mutable, frozen = xs[c.rank].copy(), xs[c.rank].copy()
         frozen.flags.writeable = False
-        a, _ = alg.reduce(mutable, flat_layout(NUMEL), {}, c)
-        b, _ = alg.reduce(frozen, flat_layout(NUMEL), {}, c)
+        a, _ = alg.reduce(mutable, flat_layout(NUMEL), EmptyState(), c)
+        b, _ = alg.reduce(frozen, flat_layout(NUMEL), EmptyState(), c)
         return a is mutable, b is not frozen and np.array_equal(frozen, xs[c.rank]), a, b
 
     out, _ = run(4, fn, local_size=local)

@@ -29,13 +29,13 @@ def simulate(alg, n):
     def fn(c):
         x = start(n)[c.rank]
         state = alg.init(x, flat_layout(x), n)
-        assert int(state["step"]) == 0
-        for key in ("w", "left", "right"):  # copies of x, not x itself
-            assert np.array_equal(state[key], x) and state[key] is not x and state[key].dtype == np.float32
+        assert int(state.step) == 0
+        for copy in (state.w, state.left, state.right):  # copies of x, not x itself
+            assert np.array_equal(copy, x) and copy is not x and copy.dtype == np.float32
         history = []
         for t in range(STEPS):
             x, state = alg.reduce(x + noise(n, t)[c.rank], flat_layout(x + noise(n, t)[c.rank]), state, c)
-            history.append((x, {k: np.copy(v) for k, v in state.items()}))
+            history.append((x, type(state)(*map(np.copy, state))))
         return history
     return run(n, fn)
 
@@ -53,16 +53,16 @@ def test_matches_reference_over_steps(n, interval):
         for r in range(n):
             x, state = out[r][t]
             assert x.shape == (NUMEL,) and x.dtype == np.float32
-            assert int(state["step"]) == t + 1
+            assert int(state.step) == t + 1
             # the same float32 difference, codes and dequantisation: seen 0 (bitwise equal) after 6 steps for
             # every N and interval; 1e-8 is below one ulp (1.5e-8) at these magnitudes. A flipped code: ~1e-4
             assert np.abs(x - xs[r]).max() <= 1e-8
             for key in ("w", "left", "right"):
-                assert np.abs(state[key] - states[r][key]).max() <= 1e-8, key  # seen 0
+                assert np.abs(getattr(state, key) - states[r][key]).max() <= 1e-8, key  # seen 0
             if t % interval == 0:
-                assert np.array_equal(state["w"], x)  # w <- x after an exchange
+                assert np.array_equal(state.w, x)  # w <- x after an exchange
             else:  # no exchange: x is the optimizer's, the state is kept
-                assert np.array_equal(x, xs[r]) and np.array_equal(state["w"], out[r][t - 1][1]["w"])
+                assert np.array_equal(x, xs[r]) and np.array_equal(state.w, out[r][t - 1][1].w)
     exchanges = len(range(0, STEPS, interval))
     neighbours = 1 if n == 2 else 2  # a ring of two: the one neighbour's message once
     for r, c in enumerate(comms):
@@ -92,7 +92,7 @@ def test_sends_the_quantised_difference_to_both_neighbours(n):
         state = out[r][0][1]
         right_sent, left_sent = comms[(r + 1) % n].sent[0].data[0], comms[(r - 1) % n].sent[0].data[0]
         for key, sent in (("right", right_sent), ("left", left_sent)):
-            step = state[key] - xs[r]
+            step = getattr(state, key) - xs[r]
             want = testing.reference.dequantize(sent[:NUMEL], *sent[NUMEL:].view(np.float32))
             assert np.abs(step - want).max() <= 2e-8  # seen <= 1.49e-8: float32 rounding of (L + deQ) - x
 
@@ -113,4 +113,4 @@ def test_float64_weights_keep_their_dtype():
     alg = LowPrecisionDecentralized()
     out, _ = run(2, lambda c: alg.reduce(xs[c.rank], flat_layout(xs[c.rank]), alg.init(xs[c.rank], flat_layout(xs[c.rank]), 2), c))
     for x, state in out:
-        assert x.dtype == np.float64 and state["w"].dtype == np.float32
+        assert x.dtype == np.float64 and state.w.dtype == np.float32

@@ -6,7 +6,7 @@ import pytest
 import reference as ref
 from bagua_x.testing import run
 
-from bagua_x.algorithms import PowerSGD
+from bagua_x.algorithms import EmptyState, PowerSGD, PowerSGDState
 from bagua_x.core.bucket import BucketLayout
 from bagua_x.core.errors import BaguaXError
 
@@ -61,7 +61,7 @@ def test_matches_the_reference(n, settings):
                         error_feedback=alg.use_error_feedback, warm_start=alg.warm_start)
     assert len(results) == n and len(want) == STEPS
     for r, (outs, state) in enumerate(results):
-        assert len(outs) == STEPS and int(state["step"]) == STEPS
+        assert len(outs) == STEPS and int(state.step) == STEPS
         for t in range(STEPS):
             # seen: up to 4.5e-6 (float32 against the float64 reference; 8 ranks, 5 steps of error feedback)
             np.testing.assert_allclose(outs[t], want[t][r], rtol=0, atol=1e-5, err_msg=f"rank {r} step {t}")
@@ -112,7 +112,7 @@ def test_a_zero_gradient_does_not_switch_a_matrix_off(settings):
                         error_feedback=alg.use_error_feedback, seed=alg.random_seed)
     for r, (outs, state) in enumerate(results):
         assert not outs[zero].any()
-        assert np.isfinite(state["q"]).all() and np.isfinite(state["error"]).all()
+        assert np.isfinite(state.q).all() and np.isfinite(state.error).all()
         for t in range(len(inputs)):  # seen: up to 3e-6
             np.testing.assert_allclose(outs[t], want[t][r], rtol=0, atol=1e-5, err_msg=f"rank {r} step {t}")
         for t in range(zero + 1, len(inputs)):  # both matrices are compressed again, not zero
@@ -130,7 +130,7 @@ def test_a_column_that_adds_nothing_is_drawn_again():
     results, _, _ = train(n, alg, lay, inputs=inputs)
     want = ref.powersgd(inputs, [(16, 12)], rank=2)
     for r, (outs, state) in enumerate(results):
-        assert state["q"].shape == (2 * 12,)  # compressed at rank 2
+        assert state.q.shape == (2 * 12,)  # compressed at rank 2
         np.testing.assert_allclose(outs[0], np.mean(inputs[0], axis=0), rtol=0, atol=1e-6)  # rank 1 is exact
         for t in range(3):  # seen: up to 1e-6
             np.testing.assert_allclose(outs[t], want[t][r], rtol=0, atol=1e-5, err_msg=f"rank {r} step {t}")
@@ -159,7 +159,7 @@ def test_compresses_only_where_torch_does():
 def test_a_bucket_of_vectors_is_averaged_as_it_is():
     lay = layout([(12,), (5,)])
     alg = PowerSGD(start_powerSGD_iter=0)
-    assert alg.init(np.zeros(17, np.float32), lay, 2)["q"].shape == (0,)
+    assert alg.init(np.zeros(17, np.float32), lay, 2).q.shape == (0,)
     results, inputs, comms = train(3, alg, lay, steps=2)
     for t in range(2):
         np.testing.assert_allclose(results[0][0][t], np.mean(inputs[t], axis=0), atol=1e-6)
@@ -207,8 +207,8 @@ def test_state_follows_its_tensors_into_other_buckets():
         for t in range(2):
             for i in range(len(SHAPES)):
                 np.testing.assert_array_equal(moved[t][i], went_on[t][i], err_msg=f"step {t + 3} tensor {i}")
-        assert [int(s["step"]) for s in states] == [5, 5]
-        assert not states[0]["error"][regrouped[0].numel:].any()  # the padding's error
+        assert [int(s.step) for s in states] == [5, 5]
+        assert not states[0].error[regrouped[0].numel:].any()  # the padding's error
 
 
 def test_split_and_join_state_round_trip():
@@ -220,14 +220,14 @@ def test_split_and_join_state_round_trip():
     states = run(2, lambda c: train_state(alg, lay, inputs, c))[0]
     for state in states:
         pieces = alg.split_state(state, lay)
-        assert [p["q"].shape for p in pieces] == [(0,), (0,), (12,), (12,)]
-        assert [p["error"].shape for p in pieces] == [(12,), (0,), (192,), (60,)]
-        np.testing.assert_array_equal(pieces[2]["q"], state["q"][:12])
-        np.testing.assert_array_equal(pieces[3]["error"], state["error"][204:264])
+        assert [p.q.shape for p in pieces] == [(0,), (0,), (12,), (12,)]
+        assert [p.error.shape for p in pieces] == [(12,), (0,), (192,), (60,)]
+        np.testing.assert_array_equal(pieces[2].q, state.q[:12])
+        np.testing.assert_array_equal(pieces[3].error, state.error[204:264])
         joined = alg.join_state(pieces, lay)
-        assert sorted(joined) == ["error", "q", "step"] and int(joined["step"]) == 2
+        assert isinstance(joined, PowerSGDState) and int(joined.step) == 2
         for k in ("q", "error"):
-            np.testing.assert_array_equal(joined[k], state[k])
+            np.testing.assert_array_equal(getattr(joined, k), getattr(state, k))
 
 
 def train_state(alg, lay, inputs, c):
@@ -242,20 +242,20 @@ def train_state(alg, lay, inputs, c):
 def test_a_joined_bucket_takes_the_latest_step():
     lay = layout([(12,), (3,)])
     alg = PowerSGD()
-    piece = lambda step, n: {"step": np.asarray(step, np.int32), "q": np.zeros(0, np.float32),  # noqa: E731
-                             "error": np.ones(n, np.float32)}
+    piece = lambda step, n: PowerSGDState(step=np.asarray(step, np.int32), q=np.zeros(0, np.float32),  # noqa: E731
+                                          error=np.ones(n, np.float32))
     for steps in ([3, 5], [5, 3]):
         joined = alg.join_state([piece(steps[0], 12), piece(steps[1], 3)], lay)
-        assert int(joined["step"]) == 5 and joined["error"].shape == (15,)
+        assert int(joined.step) == 5 and joined.error.shape == (15,)
 
 
 def test_stateless_algorithms_split_into_empty_pieces_and_stateful_ones_refuse():
     from bagua_x.algorithms import GradientAllReduce, LowPrecisionDecentralized
 
     lay = layout([(4,), (2, 2)])
-    assert GradientAllReduce().split_state({}, lay) == [{}, {}]
-    assert GradientAllReduce().join_state([{}, {}], lay) == {}
+    assert GradientAllReduce().split_state(EmptyState(), lay) == [EmptyState(), EmptyState()]
+    assert GradientAllReduce().join_state([EmptyState(), EmptyState()], lay) == EmptyState()
     alg = LowPrecisionDecentralized()
-    with pytest.raises(BaguaXError, match=r"LowPrecisionDecentralized keeps per-bucket state \(\['left', 'right', "
-                                          r"'step', 'w'\]\) that it cannot split per tensor.*bagua_x.torch.wrap"):
+    with pytest.raises(BaguaXError, match=r"LowPrecisionDecentralized keeps per-bucket state \(\['step', 'w', "
+                                          r"'left', 'right'\]\) that it cannot split per tensor.*bagua_x.torch.wrap"):
         alg.split_state(alg.init(np.zeros(8, np.float32), lay, 2), lay)

@@ -37,7 +37,7 @@ def simulate(alg, n):
         for t in range(STEPS):
             update, state = alg.step(gs[t][c.rank], p, flat_layout(gs[t][c.rank]), state, c)
             p = p + update
-            history.append((p, {k: np.copy(v) for k, v in state.items()}))
+            history.append((p, type(state)(*map(np.copy, state))))
         return history
     return run(n, fn)
 
@@ -57,13 +57,13 @@ def test_matches_reference_over_steps(n, warmup_steps, weight_decay):
             # (N = 2, warmup 1); the same codes (a flipped one would move p by ~1e-3 here)
             assert np.abs(p - want[t]).max() <= 1.5e-6
             assert np.array_equal(p, out[0][t][0])  # every rank takes the same step
-            assert int(state["step"]) == t + 1
+            assert int(state.step) == t + 1
             if t + 1 > warmup_steps:  # m is the 8-bit averaged momentum: at most 256 levels per chunk
-                assert all(len(np.unique(chunk)) <= 256 for chunk in np.split(state["m"], n))
+                assert all(len(np.unique(chunk)) <= 256 for chunk in np.split(state.m, n))
                 if t > 0:  # v frozen after warmup
-                    assert np.array_equal(state["v"], out[r][t - 1][1]["v"])
+                    assert np.array_equal(state.v, out[r][t - 1][1].v)
             else:
-                assert len(np.unique(state["m"])) > 256  # full precision during warmup
+                assert len(np.unique(state.m)) > 256  # full precision during warmup
     for c in comms:
         warm = min(warmup_steps, STEPS)
         assert c.ops() == ["allreduce"] * warm + ["alltoall", "allgather"] * (STEPS - warm)
@@ -91,7 +91,7 @@ def test_reduce_is_the_momentum_exchange_and_declarations():
     assert alg.alignment(8) == 8 and alg.wire_bytes(flat_layout(800), 4, 4) == compressed_bytes(800, 4)
     assert alg.is_warmup(100) and not alg.is_warmup(101)
     state = alg.init(np.ones(8, np.float32), flat_layout(np.ones(8, np.float32)), 4)
-    assert int(state["step"]) == 0 and np.array_equal(state["m"], np.zeros(8)) and np.array_equal(state["v"], np.zeros(8))
+    assert int(state.step) == 0 and np.array_equal(state.m, np.zeros(8)) and np.array_equal(state.v, np.zeros(8))
 
 
 def test_adam_direction_formula():

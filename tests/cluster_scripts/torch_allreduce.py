@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import bagua_x.torch as bxt
-from bagua_x.algorithms import GradientAllReduce
+from bagua_x.algorithms import EmptyState, GradientAllReduce
 
 out = sys.argv[1]
 crash = int(sys.argv[sys.argv.index("--crash-rank") + 1]) if "--crash-rank" in sys.argv else None
@@ -26,7 +26,7 @@ if rank == crash:
 comm = bxt.TorchCommunicator()
 comm.enable_hierarchical(True)
 x = torch.arange(1000, dtype=torch.float32) * (rank + 1)
-hier = GradientAllReduce(average=False, hierarchical=True).reduce(x.clone(), None, {}, comm)[0].numpy()
+hier = GradientAllReduce(average=False, hierarchical=True).reduce(x.clone(), None, EmptyState(), comm)[0].numpy()
 flat = x.clone()
 dist.all_reduce(flat)
 expected = np.sum([np.arange(1000, dtype=np.float32) * (r + 1) for r in range(world)], axis=0)

@@ -76,30 +76,33 @@ def training_step(dp, lr: float, chain: bool = False, traces: list | None = None
 
     Gradient algorithms: reduce_gradients then adam, or (``chain``)
     ``optax.chain(dp.gradient_transformation(), adam)``; weight algorithms:
-    sync_params where their phase says; QAdam: ``dp.optimizer()`` as the optimizer.
+    sync_params where their phase says; QAdam: ``dp.optimizer()`` as the optimizer
+    (each call refuses the algorithms it does not communicate for).
     """
     import jax
     import optax
 
-    from bagua_x.algorithms import Phase, QAdam
+    from bagua_x.algorithms import Phase, Target
 
-    if isinstance(dp.algorithm, QAdam):
+    target = dp.algorithm.target
+    if target is Target.MOMENTUM:
         tx = dp.optimizer()
     else:
         tx = optax.chain(dp.gradient_transformation(), optax.adam(lr)) if chain else optax.adam(lr)
-    sync_first = dp.algorithm.phase is Phase.BEFORE_FORWARD
+    weights = target is Target.WEIGHT
+    sync_first = weights and dp.algorithm.phase is Phase.BEFORE_FORWARD
 
     def step(p, o, st, xb, yb):
         if traces is not None:
             traces.append(1)
         g = jax.grad(loss_fn)(p, xb, yb)
-        if not chain:
+        if target is Target.GRAD and not chain:
             g, st = dp.reduce_gradients(g, st)
         if sync_first:
             p, st = dp.sync_params(p, st)
         u, o = tx.update(g, o, p)
         p = optax.apply_updates(p, u)
-        if not sync_first:
+        if weights and not sync_first:
             p, st = dp.sync_params(p, st)
         return p, o, st
 
@@ -152,7 +155,7 @@ def bagua_shard_map(dp, params, x, y, mesh, lr: float = 1e-2):
             p, st = dp.sync_params(p, st)
         u, o = tx.update(g, o, p)
         p = optax.apply_updates(p, u)
-        if not sync_first:
+        if per_device and not sync_first:
             p, st = dp.sync_params(p, st)
         return back(p), back(o), jax.tree.map(lambda a: a[None], st)
 
@@ -186,7 +189,7 @@ def rank_inputs(r: int, n: int):
 def _ops(x, u):
     import jax.numpy as jnp
 
-    from bagua_x.algorithms import GradientAllReduce
+    from bagua_x.algorithms import EmptyState, GradientAllReduce
     from bagua_x.core import ReduceOp
     from bagua_x.jax import AxisCommunicator
 
@@ -196,7 +199,7 @@ def _ops(x, u):
     ring = [(i, (i + 1) % n) for i in range(n)]
     # two levels under pmap, flat under shard_map: the same numbers
     hier = lambda v, average: jnp.reshape(GradientAllReduce(average, hierarchical=True).reduce(  # noqa: E731
-        jnp.reshape(v, (-1,)), None, {}, h)[0], v.shape)
+        jnp.reshape(v, (-1,)), None, EmptyState(), h)[0], v.shape)
     return {
         "hier_sum": hier(x, False), "hier_avg": hier(x, True),
         "hier_odd": hier(x[0], False),  # 3 elements: padded to share among 2 devices

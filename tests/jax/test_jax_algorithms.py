@@ -147,7 +147,7 @@ def test_low_precision_decentralized(interval):
             step = testing.reference.step_size(want[r] - states[r]["left"] / 3)
             assert_close_but_rare_code_flips(got[r], want[r], atol=5e-6, flip_tol=0.15 * step, max_flips=1)
             for key in ("w", "left", "right"):
-                assert_close_but_rare_code_flips(np.asarray(run.state[key][r]), states[r][key], atol=5e-6,
+                assert_close_but_rare_code_flips(np.asarray(getattr(run.state, key)[r]), states[r][key], atol=5e-6,
                                                  flip_tol=0.15 * step, max_flips=1)
         xs = [x - 0.05 * rng.normal(size=NUMEL).astype(np.float32) for x in got]  # an optimizer step
     assert run.traces == 1

@@ -66,11 +66,11 @@ def test_hierarchical_is_grouped_under_pmap_and_flat_under_shard_map():
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from bagua_x.algorithms import GradientAllReduce
+    from bagua_x.algorithms import EmptyState, GradientAllReduce
     from bagua_x.jax import AxisCommunicator
 
     def f(v):
-        return GradientAllReduce(hierarchical=True).reduce(v, None, {}, AxisCommunicator("batch", local_size=2))[0]
+        return GradientAllReduce(hierarchical=True).reduce(v, None, EmptyState(), AxisCommunicator("batch", local_size=2))[0]
 
     pmapped = str(jax.make_jaxpr(jax.pmap(f, axis_name="batch"))(jnp.ones((4, 6))))
     for collective, groups in (("reduce_scatter", "((0, 1), (2, 3))"), ("psum", "((0, 2), (1, 3))"),

@@ -96,7 +96,7 @@ def test_low_precision_decentralized():
         for r in range(N):
             step = testing.reference.step_size(xs[r] - node_states[r // LOCAL]["left"] / 3)
             assert_close_but_rare_code_flips(got[r], xs[r], atol=1e-6, flip_tol=0.15 * step, max_flips=1)
-            assert_close_but_rare_code_flips(np.asarray(state["left"][r]), node_states[r // LOCAL]["left"],
+            assert_close_but_rare_code_flips(np.asarray(state.left[r]), node_states[r // LOCAL]["left"],
                                              atol=1e-6, flip_tol=0.15 * step, max_flips=1)
         xs = got
 

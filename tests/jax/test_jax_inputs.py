@@ -4,19 +4,17 @@ One process, 4 CPU devices (tests/jax/conftest.py), pmap over "batch".
 """
 
 import dataclasses
-import re
 import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bagua_x.algorithms import Decentralized, GradientAllReduce, QAdam
+from bagua_x.algorithms import Decentralized, GradientAllReduce, ModelAverage, QAdam, Target
 from bagua_x.core import BaguaXError
 from bagua_x.jax import wrap
 
@@ -77,12 +75,34 @@ def test_unbound_axis_names_the_axis():
         reduce_under_pmap(dp, per_device(params()))
 
 
-@pytest.mark.parametrize("algorithm, instead", [(Decentralized(), "dp.sync_params"), (QAdam(lr=0.1), "dp.optimizer()")],
-                         ids=["weight", "momentum"])
-def test_gradient_transformation_without_gradients_to_communicate_is_refused(algorithm, instead):
+CALLS = {  # each call, and the target it communicates for
+    "reduce_gradients": (Target.GRAD, lambda dp: dp.reduce_gradients(params(), dp.init_state())),
+    "gradient_transformation": (Target.GRAD, lambda dp: dp.gradient_transformation()),
+    "sync_params": (Target.WEIGHT, lambda dp: dp.sync_params(params(), dp.init_state())),
+    "optimizer": (Target.MOMENTUM, lambda dp: dp.optimizer()),
+}
+INSTEAD = {Target.GRAD: "dp.reduce_gradients", Target.WEIGHT: "dp.sync_params", Target.MOMENTUM: "dp.optimizer()"}
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+@pytest.mark.parametrize("algorithm", [GradientAllReduce(), Decentralized(), ModelAverage(), QAdam(lr=0.1)],
+                         ids=lambda a: type(a).__name__)
+def test_a_call_that_would_communicate_nothing_is_refused_naming_the_one_that_does(call, algorithm):
+    """One rule for the four calls: never a silent pass-through (a step that skipped its communication)."""
+    target, run = CALLS[call]
     dp = wrap(params(), algorithm=algorithm)
-    with pytest.raises(BaguaXError, match=rf"communicates .*, not gradients.*use .*{re.escape(instead)}"):
-        optax.chain(dp.gradient_transformation(), optax.adam(1e-3))
+    if algorithm.target is target:  # the call for it: no refusal (outside pmap only the axis is missing)
+        try:
+            run(dp)
+        except BaguaXError as e:
+            assert "must run inside jax.pmap" in str(e)
+        return
+    with pytest.raises(BaguaXError) as e:
+        run(dp)
+    message = str(e.value)
+    assert message.startswith(f"dp.{call}(")
+    assert f"{algorithm!r} communicates {algorithm.target.value}s, not {target.value}s" in message
+    assert INSTEAD[algorithm.target] in message.split("; use ", 1)[1]
 
 
 # -- random pytrees: bagua_x's reduction is per-leaf pmean -----------------------------------------------------------

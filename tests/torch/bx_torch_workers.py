@@ -246,7 +246,7 @@ def algorithm_steps(name, kwargs, steps, numel, chained):
         x, state = alg.reduce(x, layout, state, comm)
         outs.append(x.numpy().copy())
     return {"initial": rank_data(rank, (numel,), seed=0), "ins": ins, "outs": outs,
-            "state": {k: np.asarray(v) for k, v in state.items()}, "sent": sent}
+            "state": {k: np.asarray(v) for k, v in state._asdict().items()}, "sent": sent}
 
 
 # -- convergence through wrap() ----------------------------------------------------------------
