@@ -104,6 +104,7 @@ def compression_kernels(device):
 
     from bagua_x.algorithms import compression as C
     from bagua_x.algorithms.kernels import unregister_compiler
+    from bagua_x.testing import reference as numpy_blocks
     from bagua_x.torch import kernels as torch_kernels
     from compression_throughput import peak_bandwidth
     from gpu_check_torch import seconds_per_call
@@ -114,7 +115,6 @@ def compression_kernels(device):
         torch.cuda.set_device(0)
     shapes = [(1, 6_553_600), (8, 819_200), (8, 8_388_608)] if cuda else [(1, 65_536), (8, 8_192)]
     peak = (peak_bandwidth(torch.cuda.get_device_name(0)) or H200_BYTES_PER_S) if cuda else None
-    ref = numpy_reference()
     values, problems = {"peak_bytes_per_s": peak}, []
     for rows, cols in shapes:
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows + cols)).to(dev)
@@ -133,7 +133,7 @@ def compression_kernels(device):
             entry["first_call_s"] = round(time.perf_counter() - t0, 2)
         entry["fallback_warnings"] = [str(w.message)[:300] for w in caught]
         got, xs = out.cpu().numpy(), x.cpu().numpy()
-        entry["error_in_steps"] = max(float(np.abs(got[r] - ref.roundtrip(xs[r])).max()) / ref.step_size(xs[r])
+        entry["error_in_steps"] = max(float(np.abs(got[r] - numpy_blocks.roundtrip(xs[r])).max()) / numpy_blocks.step_size(xs[r])
                                       for r in range(rows))
         if entry["error_in_steps"] > STEP_SLACK:
             problems.append(f"{rows}x{cols}: {entry['error_in_steps']:.2f} quantisation steps from the reference")
