@@ -1,6 +1,6 @@
-"""``bagua-x bench`` from an installed wheel: its scripts ship in the package, so it runs outside a source checkout.
+"""``bagua-x bench``: from an installed wheel, and its JAX rows on a ``bagua-x cluster``.
 
-The wheel goes into a fresh venv that sees this environment's packages
+Its scripts ship in the package, so it runs outside a source checkout.  The wheel goes into a fresh venv that sees this environment's packages
 (torch, jax, ...) through a ``.pth`` line but not its editable bagua_x (the
 editable finder is a ``.pth`` *import*, which a path line does not run), and
 the bench runs from a directory outside the checkout.
@@ -13,6 +13,10 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+
+import pytest
+
+from bagua_x.apps import cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,3 +53,22 @@ def test_bench_runs_from_an_installed_wheel(tmp_path):
     assert [(r["frontend"], r["link"], r["model"], r["what"], r["baseline"]) for r in rows] == [
         ("torch", "loopback", "mlp", "bytegrad", "DDP")]
     assert 0.1 < rows[0]["ratio"] < 10, rows
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or cluster.missing_prerequisite() is not None,
+                    reason="bagua-x cluster needs root and ip, tc, unshare, mount, hostname (network namespaces)")
+def test_jax_rows_on_a_cluster(tmp_path):
+    """Every system of the JAX job ran on the 2-node cluster and each row holds its own two times (not a timing)."""
+    _ok([sys.executable, "-m", "bagua_x.cli", "bench", "--nodes", "2", "--nproc-per-node", "1", "--no-torch",
+         "--models", "mlp", "--algorithms", "bytegrad", "--quick", "--out", tmp_path], ROOT, 240,
+        {**os.environ, "OMP_NUM_THREADS": "1"})
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert [(r["what"], r["baseline"]) for r in rows] == [
+        ("bytegrad", "per-leaf pmean"), ("bytegrad", "bagua_x allreduce"), ("bytegrad", "compute only")]
+    assert {(r["frontend"], r["link"], r["model"]) for r in rows} == {("jax", "2x1 1gbit", "mlp")}
+    bytegrad = rows[0]["bagua_x_ms"]
+    for r in rows:
+        assert r["bagua_x_ms"] == bytegrad and r["ratio"] == pytest.approx(bytegrad / r["baseline_ms"]), r
+    pmean, allreduce, compute = (r["baseline_ms"] for r in rows)
+    assert len({pmean, allreduce, compute}) == 3, rows  # three systems timed, not one time copied
+    assert compute < min(pmean, allreduce), rows  # 50 MB of gradient a step over 1 Gbit/s: the floor is below both
