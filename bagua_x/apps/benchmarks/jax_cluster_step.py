@@ -31,6 +31,7 @@ import numpy as np
 
 import bagua_x.jax as bxj
 from bagua_x.apps.benchmarks.shared import ALGORITHMS, JAX_MODELS, make_algorithm
+from bagua_x.apps.quiet import without_gloo_lines
 
 AXIS = "batch"
 
@@ -91,16 +92,8 @@ def timed(step, carry, steps: int):
     return carry, (time.perf_counter() - start) / steps
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
-    parser.add_argument("--model", choices=JAX_MODELS, default="mlp")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
-    parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args()
-
+def run(args) -> dict:
+    """Every system's step times (seconds), measured in interleaved rounds after a warm-up."""
     bxj.init_distributed()
     rank = jax.process_index()
     names = ["compute", "pmean", "allreduce"] + [a for a in args.algorithms if a != "allreduce"]
@@ -113,7 +106,22 @@ def main():
         for n in names if round_ % 2 == 0 else names[::-1]:
             carries[n], seconds = timed(systems[n], carries[n], args.steps)
             times[n].append(seconds)
-    if rank == 0:
+    return times
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
+    parser.add_argument("--model", choices=JAX_MODELS, default="mlp")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+
+    with without_gloo_lines():  # gloo says from C++ each time processes connect, here once per system
+        times = run(args)
+    if jax.process_index() == 0:
         result = {"model": args.model, "processes": jax.process_count(), "devices": jax.device_count(),
                   "ms": {n: statistics.median(v) * 1000 for n, v in times.items()}}
         print(json.dumps(result), flush=True)
