@@ -12,7 +12,7 @@ the time to reach the target held-out accuracy and the speedup over allreduce.
 
 The JAX runs then do the same on the same network (``demo_jax``: one CPU
 device per process, gloo across processes) with a narrower MLP (1.1 M
-parameters, 4.4 MB of gradient a step, still communication-bound at 1 Gbit/s)
+parameters, 4.5 MB of gradient a step, still communication-bound at 1 Gbit/s)
 and a shorter clock (2 s): JAX compiles every algorithm's step first, and 4
 JAX processes share the 2 cores, so the big model and the torch clock would
 take the demo past its 5 minutes from a fresh clone.
