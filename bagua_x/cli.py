@@ -15,7 +15,8 @@ def main(argv=None) -> int:
 
     demo.add_arguments(sub.add_parser(
         "demo", help="loss against wall-clock time for every algorithm, on a 1 Gbit/s 2-node cluster as root"))
-    bench.add_arguments(sub.add_parser("bench", help="run the benchmarks of benchmarks/ and print ratios"))
+    bench.add_arguments(sub.add_parser(
+        "bench", help="time the algorithms against DDP and pmean (loopback, a capped link or a cluster); ratios"))
     cluster.add_arguments(sub.add_parser(
         "cluster", help="run a script on N nodes (network namespaces, capped inter-node links) x P ranks; root only",
         description=cluster.__doc__.split("\n\n")[0]))

@@ -66,25 +66,25 @@ def _args(*argv):
 
 
 def _job_fails_on(monkeypatch, failing):
-    """``_torch_job`` as on a root machine where namespaces cannot be made: the settings in ``failing`` raise."""
+    """``_job`` as on a root machine where namespaces cannot be made: the settings in ``failing`` raise."""
     errors = {"cluster": demo.cluster.ClusterUnavailable("bagua-x cluster: setting up the namespaces failed"),
               "capped": subprocess.CalledProcessError(1, ["ip", "netns", "add"])}
     tried = []
 
-    def job(args, setting):
+    def job(frontend, args, setting):
         tried.append(setting)
         if setting in failing:
             raise errors[setting]
         return [{"setting": setting}]
 
-    monkeypatch.setattr(demo, "_torch_job", job)
+    monkeypatch.setattr(demo, "_job", job)
     monkeypatch.setattr(demo, "can_cap", lambda: True)
     return tried
 
 
 def test_auto_falls_back_when_the_namespaces_cannot_be_made(monkeypatch, capsys):
     tried = _job_fails_on(monkeypatch, {"cluster", "capped"})
-    runs, setting, note = demo.run_torch(_args(), "cluster", "")
+    runs, setting, note = demo.run("torch", _args(), "cluster", "")
     assert tried == ["cluster", "capped", "loopback"] and runs == [{"setting": "loopback"}]
     assert setting == "loopback" and "capped setting could not be made" in note and "uncapped loopback" in note
     assert capsys.readouterr().out.count("bagua-x demo on the digits") == 3
@@ -93,5 +93,5 @@ def test_auto_falls_back_when_the_namespaces_cannot_be_made(monkeypatch, capsys)
 def test_a_requested_setting_that_fails_is_an_error_not_a_fallback(monkeypatch):
     tried = _job_fails_on(monkeypatch, {"cluster"})
     with pytest.raises(SystemExit, match="setting up the namespaces failed"):
-        demo.run_torch(_args("--setting", "cluster"), "cluster", "")
+        demo.run("torch", _args("--setting", "cluster"), "cluster", "")
     assert tried == ["cluster"]

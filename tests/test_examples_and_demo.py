@@ -44,16 +44,20 @@ def test_jax_examples_one_process_four_devices(example):
 
 
 def test_demo_end_to_end(tmp_path):
-    """The demo's torch job on the best setting this machine allows (the 2x2 cluster as root), JAX on loopback."""
+    """The demo's torch and JAX jobs on the best setting this machine allows (the 2x2 cluster as root)."""
     out = _run([sys.executable, "-m", "bagua_x.cli", "demo", "--steps", "32", "--seconds", "0", "--jax-steps", "30",
-                "--hidden", "512", "--target", "0.5", "--algorithms", "allreduce", "bytegrad", "--out", str(tmp_path)],
+                "--jax-seconds", "0", "--hidden", "512", "--jax-hidden", "256", "--target", "0.5",
+                "--algorithms", "allreduce", "bytegrad", "--out", str(tmp_path)],
                timeout=420)
     assert "[Gloo]" not in out, out  # gloo's C++ connection lines are filtered out of the demo's output
     assert "to 50% acc" in out and "speedup" in out, out
     table = json.loads((tmp_path / "demo.json").read_text())
     cluster_here = os.geteuid() == 0 and cluster.missing_prerequisite() is None
     assert table["setting"] == ("cluster" if cluster_here else "capped" if can_cap() else "loopback"), table
-    assert table["description"] and table["target_accuracy"] == 0.5
+    assert table["target_accuracy"] == 0.5
+    network = {"cluster": "2 nodes x 2 ranks", "capped": "capped at", "loopback": "uncapped loopback"}[table["setting"]]
+    assert set(table["description"]) == {"torch", "jax"}, table  # both frontends ran on that network
+    assert all(network in title for title in table["description"].values()), table["description"]
     assert (table["link"] == "1gbit") == (table["setting"] != "loopback")
     assert ("note:" in out) == (table["setting"] != "cluster"), out
     runs = {(r["frontend"], r["algorithm"]): r for r in table["runs"]}
@@ -67,4 +71,5 @@ def test_demo_end_to_end(tmp_path):
         base = runs[(frontend, "allreduce")]["time_to_target_s"]
         assert r["speedup_vs_allreduce"] == pytest.approx(base / r["time_to_target_s"]), r
     assert runs[("torch", "allreduce")]["parameters"] == 64 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10
+    assert runs[("jax", "allreduce")]["parameters"] == 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
     assert (tmp_path / "demo.png").stat().st_size > 10_000

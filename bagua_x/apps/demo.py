@@ -10,15 +10,16 @@ plain loopback, with a note.  Every algorithm gets the same clock budget
 (more if it has not reached the target accuracy by then), and the demo reports
 the time to reach the target held-out accuracy and the speedup over allreduce.
 
-The JAX runs train a small MLP on 2 processes on loopback for a fixed number
-of steps: they show the same algorithms train in JAX.  They stay off the
-cluster because, with JAX's compile per algorithm and 4 processes on a 2-core
-machine, the big model there would double the demo's time.
+The JAX runs then do the same on the same network (``demo_jax``: one CPU
+device per process, gloo across processes) with a narrower MLP (1.1 M
+parameters, 4.5 MB of gradient a step, still communication-bound at 1 Gbit/s)
+and a shorter clock (2 s): JAX compiles every algorithm's step first, and 4
+JAX processes share the 2 cores, so the big model and the torch clock would
+take the demo past its 5 minutes from a fresh clone.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -30,7 +31,7 @@ from pathlib import Path
 from . import cluster
 from .algorithms import NAMES
 from .demo_report import plot, summarize, table
-from .launch import can_cap, capped_namespace, free_port, launch, torchrun
+from .launch import can_cap, capped_namespace, free_port, torchrun
 
 SETTINGS = ("auto", "cluster", "capped", "loopback")
 
@@ -46,8 +47,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seconds", type=float, default=8.0,
                         help="torch: training clock per algorithm (longer until --target is reached)")
     parser.add_argument("--steps", type=int, default=200, help="torch: at most this many steps per algorithm")
-    parser.add_argument("--jax-steps", type=int, default=100, help="JAX: steps per algorithm")
     parser.add_argument("--hidden", type=int, default=2048, help="torch: width of the MLP's 2 hidden layers")
+    parser.add_argument("--jax-seconds", type=float, default=2.0, help="JAX: training clock per algorithm")
+    parser.add_argument("--jax-steps", type=int, default=200, help="JAX: at most this many steps per algorithm")
+    parser.add_argument("--jax-hidden", type=int, default=1024, help="JAX: width of the MLP's 2 hidden layers")
     parser.add_argument("--batch", type=int, default=16, help="per-rank batch size")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (QAdam uses its own)")
     parser.add_argument("--seed", type=int, default=0)
@@ -60,8 +63,10 @@ LOOPBACK_NOTE = ("the ranks talk over uncapped loopback, where communication is 
                  "cannot pay off here; as root the demo runs on a 2-node cluster with a 1 Gbit/s link")
 
 
-def torch_title(args, setting: str) -> str:
-    return f"PyTorch: MLP 64-{args.hidden}-{args.hidden}-10, {DESCRIBED[setting].format(rate=args.link)}"
+def title(frontend: str, args, setting: str) -> str:
+    hidden = args.hidden if frontend == "torch" else args.jax_hidden
+    name = "PyTorch" if frontend == "torch" else "JAX"
+    return f"{name}: MLP 64-{hidden}-{hidden}-10, {DESCRIBED[setting].format(rate=args.link)}"
 
 
 def choose_setting(requested: str, rate: str) -> tuple[str, str]:
@@ -77,20 +82,22 @@ def choose_setting(requested: str, rate: str) -> tuple[str, str]:
     return setting, "note: " + LOOPBACK_NOTE if setting == "loopback" else ""
 
 
-def run_torch(args, setting: str, note: str) -> tuple[list, str, str]:
-    """All algorithms in one torch job (``demo_torch``): (rank 0's runs, the setting used, its note).
+def run(frontend: str, args, setting: str, note: str) -> tuple[list, str, str]:
+    """All algorithms of ``frontend`` in one job (``demo_torch`` or ``demo_jax``): (process 0's runs, the setting
+    used, its note).
 
     With ``--setting auto``, a network whose namespaces cannot be made here
     (root without the right to make them, as in some containers) gives way to
     the next one: cluster, then capped, then loopback.
     """
     while True:
-        print(f"bagua-x demo on the digits, target {args.target:.0%} held-out accuracy; {torch_title(args, setting)}")
+        print(f"bagua-x demo on the digits, target {args.target:.0%} held-out accuracy; "
+              f"{title(frontend, args, setting)}")
         if note:
             print(note)
         sys.stdout.flush()  # before the ranks' output
         try:
-            return _torch_job(args, setting), setting, note
+            return _job(frontend, args, setting), setting, note
         except (cluster.ClusterUnavailable, subprocess.CalledProcessError) as e:
             if args.setting != "auto" or setting == "loopback":
                 raise SystemExit(f"bagua-x demo: {e}") from e
@@ -99,11 +106,13 @@ def run_torch(args, setting: str, note: str) -> tuple[list, str, str]:
                 f"; {LOOPBACK_NOTE}" if setting == "loopback" else "")
 
 
-def _torch_job(args, setting: str) -> list[dict]:
+def _job(frontend: str, args, setting: str) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bagua_x_demo_") as tmp:
-        path = os.path.join(tmp, "torch.json")
-        argv = ["-m", "bagua_x.apps.demo_torch", "--json", path, "--steps", str(args.steps),
-                "--seconds", str(args.seconds), "--target", str(args.target), "--hidden", str(args.hidden),
+        path = os.path.join(tmp, f"{frontend}.json")
+        steps, seconds, hidden = ((args.steps, args.seconds, args.hidden) if frontend == "torch" else
+                                  (args.jax_steps, args.jax_seconds, args.jax_hidden))
+        argv = ["-m", f"bagua_x.apps.demo_{frontend}", "--json", path, "--steps", str(steps),
+                "--seconds", str(seconds), "--target", str(args.target), "--hidden", str(hidden),
                 "--batch", str(args.batch), "--lr", str(args.lr), "--seed", str(args.seed), *args.algorithms]
         if setting == "cluster":
             code = cluster.run([sys.executable, *argv], nodes=2, nproc_per_node=2, inter_node=args.link,
@@ -114,21 +123,8 @@ def _torch_job(args, setting: str) -> list[dict]:
         else:
             code = torchrun(4, argv)
         if code != 0:
-            raise SystemExit(f"bagua-x demo: the torch runs failed (exit status {code})")
+            raise SystemExit(f"bagua-x demo: the {frontend} runs failed (exit status {code})")
         return json.loads(Path(path).read_text())
-
-
-def run_jax(args) -> list[dict]:
-    from . import demo_jax
-
-    # JAX's coordinator gets a port checked free here: MASTER_PORT + 1 (init_distributed's
-    # default) may be taken by some other connection, and JAX then crashes instead of raising
-    worker = functools.update_wrapper(functools.partial(demo_jax.train, coordinator_port=free_port()), demo_jax.train)
-    runs = launch(worker, 2, args.algorithms, args.jax_steps, args.batch, args.lr, args.seed, 5)
-    for r in runs:
-        print(f"  jax   {r['algorithm']:14s} {len(r['losses']):4d} steps in {r['seconds'][-1]:5.1f} s, "
-              f"held-out accuracy {r['accuracy']:.3f}", flush=True)
-    return runs
 
 
 def main(args) -> int:
@@ -139,23 +135,20 @@ def main(args) -> int:
         raise SystemExit(f"unknown algorithm {', '.join(sorted(unknown))}; choose from {', '.join(NAMES)}")
     started = time.monotonic()
     setting, note = choose_setting(args.setting, args.link)
-    runs = []
-    if args.frontend in ("torch", "both"):
-        runs, setting, note = run_torch(args, setting, note)
-        print(f"  ({time.monotonic() - started:.0f} s so far)")
-    titles = {"torch": torch_title(args, setting),
-              "jax": f"JAX: MLP 64-128-10, 2 processes on uncapped loopback, {args.jax_steps} steps "
-                     "(ms steps: a check that JAX trains, not a timing)"}
-    if args.frontend in ("jax", "both"):  # its workers drop gloo's C++ lines themselves (apps/quiet.py)
-        print(titles["jax"], flush=True)
-        runs += run_jax(args)
+    runs, titles = [], {}
+    for frontend in ("torch", "jax"):
+        if args.frontend in (frontend, "both"):
+            frontend_runs, setting, note = run(frontend, args, setting, note)
+            runs += frontend_runs
+            titles[frontend] = title(frontend, args, setting)
+            print(f"  ({time.monotonic() - started:.0f} s so far)")
     summarize(runs, args.target)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(runs, titles, args.target, out / "demo.png")
     wall = time.monotonic() - started
     (out / "demo.json").write_text(json.dumps({
-        "setting": setting, "description": titles["torch"], "link": args.link if setting != "loopback" else None,
+        "setting": setting, "description": titles, "link": args.link if setting != "loopback" else None,
         "note": note, "target_accuracy": args.target, "wall_s": wall, "runs": runs}, indent=1))
     print()
     print(table(runs, args.target))

@@ -1,37 +1,49 @@
-"""The demo's JAX runs: every process of one launch trains the small MLP once per algorithm.
+"""The demo's JAX runs: every process of one job trains the MLP once per algorithm, as ``demo_torch`` does.
 
-One launch runs all the algorithms in turn: starting JAX and connecting its
-processes costs more than a short run on a 2-core machine.  The first step of
-each algorithm traces and compiles it, so the clock starts after it.
+    python -m torch.distributed.run --nproc_per_node 4 -m bagua_x.apps.demo_jax --json out.json allreduce bytegrad
+
+Launched like the torch job (on the 2 x 2 cluster, a capped loopback or plain
+loopback), one CPU device per process, joined by
+``bagua_x.jax.init_distributed`` from torchrun's variables.  One job runs all
+the algorithms in turn: starting JAX and connecting its processes costs more
+than a short run on a 2-core machine.  Each algorithm trains for ``--seconds``
+on the clock, then on until its held-out accuracy reaches ``--target``, never
+past ``--steps``.  The clock counts training steps only: the first step traces
+and compiles the algorithm's program (once), and the held-out evaluations are
+off it; each evaluation ends in a gather across processes, so a process that
+evaluates faster does not charge its wait to the next step.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import time
 
 
-def train(algo_names: list, steps: int, batch: int, lr: float, seed: int, eval_every: int,
-          coordinator_port: int) -> list:
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # one device per process
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def init_mlp(key, hidden: int) -> dict:
+    """64 -> hidden -> hidden -> 10, as ``demo_torch.mlp``, fan-in scaled."""
     import jax
 
-    import bagua_x.jax as bxj
-
-    from .data import load_digits_split
-    from .quiet import without_gloo_lines
-
-    with without_gloo_lines():  # gloo says from C++ each time processes connect
-        bxj.init_distributed(coordinator_address=f"127.0.0.1:{coordinator_port}")
-        data = load_digits_split(seed)
-        return [_train(name, steps, batch, lr, seed, eval_every, data, jax.process_index(), jax.process_count())
-                for name in algo_names]
+    sizes = [64, hidden, hidden, 10]
+    keys = jax.random.split(key, len(sizes) - 1)
+    return {f"l{i}": {"w": jax.random.normal(k, (n_in, n_out)) / n_in**0.5, "b": jax.numpy.zeros(n_out)}
+            for i, (k, n_in, n_out) in enumerate(zip(keys, sizes, sizes[1:]))}
 
 
-def _train(algo_name, steps, batch, lr, seed, eval_every, data, rank, world) -> dict:
+def logits(params: dict, x):
     import jax
-    import jax.numpy as jnp
+
+    for i in range(len(params) - 1):
+        x = jax.nn.relu(x @ params[f"l{i}"]["w"] + params[f"l{i}"]["b"])
+    last = params[f"l{len(params) - 1}"]
+    return x @ last["w"] + last["b"]
+
+
+def train(algo_name: str, args, data) -> dict:
+    """One algorithm's run; process 0's dict holds the loss averaged over processes and the slowest clock."""
+    import jax
     import numpy as np
     import optax
     from jax.experimental import multihost_utils
@@ -43,25 +55,17 @@ def _train(algo_name, steps, batch, lr, seed, eval_every, data, rank, world) -> 
     from .algorithms import make
     from .data import rank_batches
 
+    rank, world = jax.process_index(), jax.process_count()
     x_tr, y_tr, x_te, y_te = data
-
-    def init(key):
-        k1, k2 = jax.random.split(key)
-        return {
-            "l1": {"w": jax.random.normal(k1, (64, 128)) * (1 / 8), "b": jnp.zeros(128)},
-            "l2": {"w": jax.random.normal(k2, (128, 10)) * (1 / 128**0.5), "b": jnp.zeros(10)},
-        }
-
-    def logits(p, x):
-        return jax.nn.relu(x @ p["l1"]["w"] + p["l1"]["b"]) @ p["l2"]["w"] + p["l2"]["b"]
+    x_eval, y_eval = x_te[rank::world], y_te[rank::world]
 
     def loss_fn(p, x, y):
         return optax.softmax_cross_entropy_with_integer_labels(logits(p, x), y).mean()
 
-    params = init(jax.random.PRNGKey(seed + rank))  # processes start apart: replicate() broadcasts process 0's
-    algorithm = make(algo_name, steps)
+    params = init_mlp(jax.random.PRNGKey(args.seed + rank), args.hidden)  # apart: replicate() broadcasts process 0's
+    algorithm = make(algo_name, args.steps)
     dp = bxj.wrap(params, algorithm=algorithm, axis_name="batch")
-    tx = dp.optimizer() if algorithm.target is Target.MOMENTUM else optax.sgd(lr, momentum=0.9)
+    tx = dp.optimizer() if algorithm.target is Target.MOMENTUM else optax.sgd(args.lr, momentum=0.9)
     # each call communicates for one target and refuses the others: gradients here, weights
     # before (decentralized: x <- avg(x_t), then the gradient taken at x_t) or after the update
     weights = algorithm.target is Target.WEIGHT
@@ -80,13 +84,20 @@ def _train(algo_name, steps, batch, lr, seed, eval_every, data, rank, world) -> 
         return params, opt_state, state, loss
 
     pstep = jax.pmap(step, axis_name="batch")
-    accuracy = jax.jit(lambda p: (logits(p, x_te).argmax(1) == y_te).mean())
+    correct = jax.jit(lambda p: (logits(p, x_eval).argmax(1) == y_eval).sum())
     params = dp.replicate(params)
     opt_state = jax.pmap(tx.init)(params)
     state = dp.init()
-    losses, seconds, evals, clock = [], [], [], 0.0
-    batches = rank_batches(x_tr, y_tr, rank, world, batch, steps, seed)
-    for i, (xb, yb) in enumerate(tqdm(batches, total=steps, desc=f"jax/{algo_name}", disable=rank != 0,
+
+    def evaluate(clock: float) -> tuple[float, float]:
+        """Held-out accuracy (each process's own model on its share) and the slowest clock."""
+        mine = np.asarray([float(correct(dp.unreplicate(params))), len(y_eval), clock], np.float64)
+        every = np.asarray(multihost_utils.process_allgather(mine)).reshape(world, 3)
+        return float(every[:, 0].sum() / every[:, 1].sum()), float(every[:, 2].max())
+
+    losses, seconds, evals, clock, reached = [], [], [], 0.0, False
+    batches = rank_batches(x_tr, y_tr, rank, world, args.batch, args.steps, args.seed)
+    for i, (xb, yb) in enumerate(tqdm(batches, total=args.steps, desc=f"jax/{algo_name}", disable=rank != 0,
                                       leave=False), 1):
         start = time.perf_counter()
         params, opt_state, state, loss = pstep(params, opt_state, state, xb[None], yb[None])
@@ -94,18 +105,58 @@ def _train(algo_name, steps, batch, lr, seed, eval_every, data, rank, world) -> 
         clock += 0.0 if i == 1 else time.perf_counter() - start  # step 1 traces and compiles: off the clock
         losses.append(loss)
         seconds.append(clock)
-        if i % eval_every == 0 or i == steps:  # this process's own model on the whole held-out set
-            evals.append([i, float(accuracy(dp.unreplicate(params)))])
+        if i % args.eval_every == 0 or i == args.steps:
+            accuracy, slowest = evaluate(clock)
+            evals.append([i, accuracy])
+            reached = reached or accuracy >= args.target
+            if slowest >= args.seconds and reached:
+                break
 
-    # mean loss and accuracy over processes, the slowest process's clock
-    local = np.asarray([*losses, *(a for _, a in evals), *seconds], np.float64)
-    gathered = np.asarray(multihost_utils.process_allgather(local)).reshape(world, -1)
-    n, k = len(losses), len(evals)
-    mean, slowest = gathered.mean(0), gathered[:, n + k:].max(0)
+    n = len(losses)
+    every = np.asarray(multihost_utils.process_allgather(np.asarray([*losses, *seconds], np.float64)))
+    every = every.reshape(world, 2 * n)
     return {
-        "frontend": "jax", "algorithm": algo_name, "losses": mean[:n].tolist(), "seconds": slowest.tolist(),
-        "evals": [[s, float(a)] for (s, _), a in zip(evals, mean[n:n + k])],
-        "accuracy": float(mean[n + k - 1]), "step_ms": 1000 * float(slowest[-1]) / max(n - 1, 1),
+        "frontend": "jax", "algorithm": algo_name, "losses": every[:, :n].mean(0).tolist(),
+        "seconds": every[:, n:].max(0).tolist(), "evals": evals, "accuracy": evals[-1][1],
+        "step_ms": 1000 * float(every[:, -1].max()) / max(n - 1, 1),
         "bytes_per_step": float(sum(algorithm.wire_bytes(layout, 4, world) for layout in dp.layouts)),
         "parameters": int(sum(x.size for x in jax.tree_util.tree_leaves(dp.unreplicate(params)))),
     }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("algorithms", nargs="+")
+    parser.add_argument("--json", required=True, help="where process 0 writes the list of runs")
+    for name, kind, default in (("steps", int, 200), ("batch", int, 16), ("lr", float, 0.05), ("seed", int, 0),
+                                ("hidden", int, 2048), ("eval-every", int, 4),
+                                ("seconds", float, 8.0), ("target", float, 0.9)):
+        parser.add_argument(f"--{name}", type=kind, default=default)
+    args = parser.parse_args(argv)
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # one device per process
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    import jax
+
+    import bagua_x.jax as bxj
+
+    from .data import load_digits_split
+    from .quiet import without_gloo_lines
+
+    with without_gloo_lines():  # gloo says from C++ each time processes connect
+        bxj.init_distributed()
+        data = load_digits_split(args.seed)
+        runs = []
+        for name in args.algorithms:
+            runs.append(train(name, args, data))
+            if jax.process_index() == 0:
+                r = runs[-1]
+                print(f"  jax   {name:14s} {len(r['losses']):4d} steps in {r['seconds'][-1]:5.1f} s, "
+                      f"held-out accuracy {r['accuracy']:.3f}", flush=True)
+    if jax.process_index() == 0:
+        with open(args.json, "w") as f:
+            json.dump(runs, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""Starting the demo's ranks: in-process through torch's elastic agent, or torchrun, optionally on a capped link."""
+"""Starting the demo's and the bench's ranks: torchrun on this machine, optionally inside a capped network namespace."""
 
 from __future__ import annotations
 
@@ -10,23 +10,11 @@ import subprocess
 import sys
 import uuid
 
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def launch(fn, nproc: int, *args):
-    """Run ``fn(*args)`` on ``nproc`` local ranks (torchrun's machinery); return rank 0's result."""
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn",
-    )
-    return elastic_launch(config, fn)(*args)[0]
 
 
 def torchrun(nproc: int, argv: list[str], prefix: tuple = ()) -> int:

@@ -12,7 +12,7 @@ automatic strategy packs the 16 KiB leaves and keeps the 256 KiB ones per leaf
 (there "bagua_x" should be ~1.0 and the "packed" column shows what packing
 would cost); across processes it packs each bucket into one collective.
 
-    python benchmarks/jax_vs_pmean.py [--iters 20]
+    python -m bagua_x.apps.benchmarks.jax_vs_pmean [--iters 20]
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def _two_processes(iters: int) -> list[dict]:
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--iters", str(iters)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([sys.executable, "-m", __spec__.name, "--worker", "--iters", str(iters)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=900) for p in procs]
     for p, (_, err) in zip(procs, outs):
         if p.returncode:
@@ -95,7 +95,6 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if args.worker:
         import jax
 

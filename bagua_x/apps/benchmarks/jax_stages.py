@@ -9,7 +9,7 @@ float32 allreduce of the same bucket.  One process with 4 CPU devices by
 default (``--devices``); XLA's in-process collectives, so the collective
 stages show their compute and copy cost, not a network's.
 
-    python benchmarks/jax_stages.py [--numel 8400000] [--iters 10] [--json out.json]
+    python -m bagua_x.apps.benchmarks.jax_stages [--numel 8400000] [--iters 10] [--json out.json]
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 
@@ -72,7 +71,6 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = measure(args.numel, args.iters)
     ms = result["ms"]
     print(f"JAX ByteGrad stages: {result['numel']:,} elements on {result['devices']} CPU devices (median ms)")

@@ -1,10 +1,10 @@
 """Step time on a cluster of nodes: each algorithm flat and hierarchical against DDP, in one job.
 
     sudo bagua-x cluster --nodes 2 --nproc-per-node 2 --inter-node 1gbit -- \\
-        python benchmarks/cluster_step.py [--algorithms bytegrad qadam] [--json OUT]
+        python -m bagua_x.apps.benchmarks.cluster_step [--algorithms bytegrad qadam] [--json OUT]
 
 Every rank (launched by torchrun inside its node's network namespace) builds
-a model of ``zoo.py`` (``--model``, as ``torch_vs_ddp.py`` does; QAdam against
+a model of ``torch_zoo.py`` (``--model``, as ``torch_vs_ddp.py`` does; QAdam against
 DDP + Adam) once per system: DDP, then each algorithm with
 ``hierarchical=False`` and at its default (hierarchical on >= 2 nodes of >= 2
 ranks; ModelAverage has no hierarchical variant, so it runs flat only), and
@@ -20,12 +20,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch_vs_ddp as bench  # noqa: E402  (the model, the optimizer and the timing loop)
+from bagua_x.apps.benchmarks import torch_vs_ddp as bench  # noqa: E402  (the model, the optimizer, the timing loop)
+from bagua_x.apps.benchmarks.shared import ALGORITHMS, MODELS, make_algorithm  # noqa: E402
 
 
 FLAT_ONLY = {"model_average"}  # no hierarchical variant (as in Bagua)
@@ -48,7 +47,7 @@ def build_system(name: str, seed: int, bucket_cap_mb: float, model_name: str):
     hierarchical = None if mode == "hierarchical" else False
     model, opt = bench.build(seed, "bagua_x", algorithm, model_name)
     if algorithm in FLAT_ONLY:
-        return bxt.wrap(model, opt, algorithm=bench.make_algorithm(algorithm), bucket_cap_mb=bucket_cap_mb), opt
+        return bxt.wrap(model, opt, algorithm=make_algorithm(algorithm), bucket_cap_mb=bucket_cap_mb), opt
     if algorithm == "qadam":  # the algorithm is the optimizer's
         opt = bxt.QAdamOptimizer(model.parameters(), lr=1e-4, warmup_steps=2, hierarchical=hierarchical)
         return bxt.wrap(model, opt, bucket_cap_mb=bucket_cap_mb), opt
@@ -63,9 +62,8 @@ def main():
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", default=["bytegrad", "qadam"],
-                        choices=["allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
-                                 "model_average", "qadam"])
-    parser.add_argument("--model", choices=["mlp", "transformer", "resnet"], default="mlp")
+                        choices=ALGORITHMS)
+    parser.add_argument("--model", choices=MODELS, default="mlp")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)

@@ -27,16 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODELS = ("mlp", "transformer", "resnet")
-
-VOCAB, WIDTH, HEADS, LAYERS, SEQ = 8192, 256, 4, 12, 32
+from .shared import (HEADS, LAYERS, MLP_BATCH, MLP_CLASSES, MLP_LAYERS, MLP_WIDTH, SEQ, TRANSFORMER_BATCH, VOCAB,
+                     WIDTH)
 
 
 def mlp() -> nn.Module:
     layers = []
-    for _ in range(12):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(1024, 10))
+    for _ in range(MLP_LAYERS):
+        layers += [nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(MLP_WIDTH, MLP_CLASSES))
 
 
 class Attention(nn.Module):
@@ -106,8 +105,9 @@ def batch(name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One fixed batch per rank: inputs and class targets (per token for the transformer)."""
     g = torch.Generator().manual_seed(rank)
     if name == "mlp":
-        return torch.randn(64, 1024, generator=g), torch.randint(0, 10, (64,), generator=g)
+        return (torch.randn(MLP_BATCH, MLP_WIDTH, generator=g),
+                torch.randint(0, MLP_CLASSES, (MLP_BATCH,), generator=g))
     if name == "transformer":
-        tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=g)
+        tokens = torch.randint(0, VOCAB, (TRANSFORMER_BATCH, SEQ + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:].reshape(-1)
     return torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)

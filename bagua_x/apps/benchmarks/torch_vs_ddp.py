@@ -1,10 +1,10 @@
 """bagua_x.torch.wrap vs torch DDP: step time and peak memory, measured side by side.
 
-    python benchmarks/torch_vs_ddp.py                       # GradientAllReduce vs DDP
-    python benchmarks/torch_vs_ddp.py --algorithm bytegrad  # any bagua_x algorithm vs DDP
-    python benchmarks/torch_vs_ddp.py --model transformer   # a model of the zoo (benchmarks/zoo.py)
+    python -m bagua_x.apps.benchmarks.torch_vs_ddp                       # GradientAllReduce vs DDP
+    python -m bagua_x.apps.benchmarks.torch_vs_ddp --algorithm bytegrad  # any bagua_x algorithm vs DDP
+    python -m bagua_x.apps.benchmarks.torch_vs_ddp --model transformer   # a model of the zoo (torch_zoo.py)
 
-Models: benchmarks/zoo.py (default the MLP, 12 x Linear(1024, 1024), batch 64
+Models: torch_zoo.py (default the MLP, 12 x Linear(1024, 1024), batch 64
 per rank), SGD with momentum, 2 gloo ranks on this machine, OMP_NUM_THREADS=1.
 
 Time: one job runs DDP and bagua_x in interleaved rounds, so both see the same
@@ -50,19 +50,8 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import zoo  # noqa: E402 -- benchmarks/zoo.py, next to this script (spawned ranks inherit sys.path)
-
-ALGORITHMS = ("allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "model_average", "qadam")
-
-
-def make_algorithm(name: str):
-    from bagua_x import algorithms as A
-
-    return {
-        "allreduce": A.GradientAllReduce, "bytegrad": A.ByteGrad, "decentralized": A.Decentralized,
-        "low_precision_decentralized": A.LowPrecisionDecentralized, "model_average": A.ModelAverage,
-    }[name]()
-
+from bagua_x.apps.benchmarks import torch_zoo as zoo  # noqa: E402
+from bagua_x.apps.benchmarks.shared import ALGORITHMS, MODELS, make_algorithm  # noqa: E402
 
 def build(seed: int, system: str = "ddp", algorithm: str = "allreduce", model_name: str = "mlp"):
     """The model and its optimizer; QAdam is compared with DDP + Adam (what it replaces)."""
@@ -215,7 +204,7 @@ def launch(fn, args, *extra):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="allreduce")
-    parser.add_argument("--model", choices=zoo.MODELS, default="mlp")
+    parser.add_argument("--model", choices=MODELS, default="mlp")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5)

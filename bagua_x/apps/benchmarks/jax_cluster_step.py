@@ -1,0 +1,134 @@
+"""JAX step time on a cluster: every algorithm against per-leaf ``pmean``, bagua_x GradientAllReduce and the
+compute-only floor, in one job.
+
+    sudo XLA_FLAGS=--xla_force_host_platform_device_count=1 JAX_PLATFORMS=cpu \\
+        bagua-x cluster --nodes 2 --nproc-per-node 2 --inter-node 1gbit -- \\
+        python -m bagua_x.apps.benchmarks.jax_cluster_step --model transformer [--json OUT]
+
+(``bagua-x bench --nodes 2 --nproc-per-node 2`` runs it per model.)  Every
+rank is one JAX process with one CPU device, joined by
+``bagua_x.jax.init_distributed`` (gloo collectives across processes).  Each
+builds a model of ``jax_zoo.py`` once per system, as a pmapped training step
+(SGD with momentum; QAdam is its own optimizer): ``compute`` (the gradients
+applied unreduced: the floor any algorithm can reach while the ranks share
+the machine's cores), ``pmean`` (one ``lax.pmean`` per leaf, what a plain JAX
+program does), and each algorithm through ``bagua_x.jax.wrap`` at its
+defaults (two-level on >= 2 nodes of >= 2 ranks); GradientAllReduce is always
+among them, as the second baseline.  The systems run in interleaved rounds,
+the order reversed every other round, so all see the same machine load; rank
+0 prints the median step times as one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import numpy as np
+
+import bagua_x.jax as bxj
+from bagua_x.apps.benchmarks.shared import ALGORITHMS, JAX_MODELS, make_algorithm
+from bagua_x.apps.quiet import without_gloo_lines
+
+AXIS = "batch"
+
+
+def build_system(name: str, model: str, rank: int):
+    """A function ``carry -> carry`` doing one training step of system ``name``, and its first carry."""
+    import optax
+
+    from bagua_x.algorithms import Phase, Target
+
+    from . import jax_zoo
+
+    params, apply = jax_zoo.build(model)
+    x, y = (a[None] for a in jax_zoo.batch(model, rank))  # this process's one device
+
+    def loss_fn(p):
+        return optax.softmax_cross_entropy_with_integer_labels(apply(p, x[0]), y[0]).mean()
+
+    sgd = optax.sgd(0.01, momentum=0.9)
+    if name in ("compute", "pmean"):
+        tx, dp, sync_first = sgd, None, False
+        placed, state = jax.tree.map(lambda a: np.asarray(a)[None], params), ()
+    else:
+        algorithm = make_algorithm(name)
+        dp = bxj.wrap(params, algorithm=algorithm, axis_name=AXIS)
+        tx = dp.optimizer() if algorithm.target is Target.MOMENTUM else sgd
+        sync_first = algorithm.phase == Phase.BEFORE_FORWARD
+        placed, state = dp.replicate(params), dp.init()
+
+    def step(p, opt_state, state):
+        grads = jax.grad(loss_fn)(p)
+        if name == "pmean":
+            grads = jax.tree.map(lambda g: jax.lax.pmean(g, AXIS), grads)
+        elif dp is not None:
+            grads, state = dp.reduce_gradients(grads, state)
+            if sync_first:  # decentralized: x <- avg(x_t), then the gradient taken at x_t
+                p, state = dp.sync_params(p, state)
+        updates, opt_state = tx.update(grads, opt_state, p)
+        p = optax.apply_updates(p, updates)
+        if dp is not None and not sync_first:
+            p, state = dp.sync_params(p, state)
+        return p, opt_state, state
+
+    pstep = jax.pmap(step, axis_name=AXIS, donate_argnums=(0, 1, 2))
+    return lambda carry: pstep(*carry), (placed, jax.pmap(tx.init)(placed), state)
+
+
+def timed(step, carry, steps: int):
+    """``steps`` steps from ``carry``; (the last carry, seconds per step), between two syncs of every process."""
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("before")
+    start = time.perf_counter()
+    for _ in range(steps):
+        carry = step(carry)
+    jax.block_until_ready(carry)
+    multihost_utils.sync_global_devices("after")
+    return carry, (time.perf_counter() - start) / steps
+
+
+def run(args) -> dict:
+    """Every system's step times (seconds), measured in interleaved rounds after a warm-up."""
+    bxj.init_distributed()
+    rank = jax.process_index()
+    names = ["compute", "pmean", "allreduce"] + [a for a in args.algorithms if a != "allreduce"]
+    systems, carries = {}, {}
+    for name in names:
+        systems[name], carry = build_system(name, args.model, rank)
+        carries[name], _ = timed(systems[name], carry, args.warmup)
+    times = {n: [] for n in names}
+    for round_ in range(args.rounds):
+        for n in names if round_ % 2 == 0 else names[::-1]:
+            carries[n], seconds = timed(systems[n], carries[n], args.steps)
+            times[n].append(seconds)
+    return times
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
+    parser.add_argument("--model", choices=JAX_MODELS, default="mlp")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+
+    with without_gloo_lines():  # gloo says from C++ each time processes connect, here once per system
+        times = run(args)
+    if jax.process_index() == 0:
+        result = {"model": args.model, "processes": jax.process_count(), "devices": jax.device_count(),
+                  "ms": {n: statistics.median(v) * 1000 for n, v in times.items()}}
+        print(json.dumps(result), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""What the torch and JAX benchmarks share, without importing either framework: the zoo's sizes and the algorithms.
+
+One place for both, so the JAX zoo (``jax_zoo.py``) builds the same models as
+the torch zoo (``torch_zoo.py``) and both time the same algorithm settings.
+"""
+
+from __future__ import annotations
+
+MODELS = ("mlp", "transformer", "resnet")
+JAX_MODELS = ("mlp", "transformer")  # the ResNet's BatchNorm buffers have no counterpart in a params-only JAX step
+
+MLP_WIDTH, MLP_LAYERS, MLP_CLASSES, MLP_BATCH = 1024, 12, 10, 64
+VOCAB, WIDTH, HEADS, LAYERS, SEQ, TRANSFORMER_BATCH = 8192, 256, 4, 12, 32, 4
+
+ALGORITHMS = ("allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "model_average", "qadam")
+
+
+def make_algorithm(name: str):
+    """A fresh algorithm of the benchmarks' ``name`` (QAdam: a 2-step warmup, so the timed steps run compressed)."""
+    from bagua_x import algorithms as A
+
+    return {
+        "allreduce": A.GradientAllReduce, "bytegrad": A.ByteGrad, "decentralized": A.Decentralized,
+        "low_precision_decentralized": A.LowPrecisionDecentralized, "model_average": A.ModelAverage,
+        "qadam": lambda: A.QAdam(lr=1e-4, warmup_steps=2),
+    }[name]()
