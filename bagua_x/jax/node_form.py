@@ -6,8 +6,9 @@ groups of a pmapped step -- on zero buckets of the real shapes and dtypes
 with throwaway state from ``init``, timed, and every process takes the form
 the slowest device's times favour (:func:`~bagua_x.core.autotune.choose_form`).
 
-The choice is a leaf of each bucket's state (``FORM_KEY``, int32: 1 over
-nodes, 0 flat), and the step runs the form that leaf names
+The choice is a leaf of each bucket's state: where it was measured, a bucket's
+state is ``{FORM_KEY: int32 (1 over nodes, 0 flat), "state": the algorithm's}``,
+and the step runs the form that leaf names
 (:func:`run_in_form`: ``lax.switch`` between the two forms, both compiled
 into the step).  So a state restored from a checkpoint runs the form it was
 built in, whatever this wrap measured: LowPrecisionDecentralized's neighbour
@@ -37,6 +38,7 @@ __all__ = ["FORM_KEY", "measured_form", "run_in_form", "with_form"]
 log = logging.getLogger(__name__)
 
 FORM_KEY = "hierarchical"  # in each bucket's state where the form was measured: 1 over nodes, 0 flat
+INNER_KEY = "state"  # beside it: the algorithm's own state
 
 
 def measured_form(algorithm: Algorithm, layouts: Sequence[BucketLayout], axis_name, world_size: int,
@@ -56,24 +58,24 @@ def measured_form(algorithm: Algorithm, layouts: Sequence[BucketLayout], axis_na
 
 
 def with_form(states: tuple, two_level: Optional[bool]) -> tuple:
-    """Bucket states with the measured form added (unchanged where it was not measured)."""
+    """Bucket states with the measured form beside them (unchanged where it was not measured)."""
     if two_level is None:
         return states
-    return tuple({**st, FORM_KEY: jnp.asarray(1 if two_level else 0, jnp.int32)} for st in states)
+    return tuple({FORM_KEY: jnp.asarray(1 if two_level else 0, jnp.int32), INNER_KEY: st} for st in states)
 
 
 def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: dict, comm: AxisCommunicator) -> tuple:
     """``fn(*args, layout, state, comm)`` in the form ``state[FORM_KEY]`` names (plainly where it names none)."""
-    if FORM_KEY not in state:
+    if not (isinstance(state, dict) and FORM_KEY in state):
         return fn(*args, layout, state, comm)
-    inner = {k: v for k, v in state.items() if k != FORM_KEY}
+    inner = state[INNER_KEY]
     if Feature.HIERARCHICAL not in comm.features:  # shard_map, or the axis does not split into nodes: flat only
         out, inner = fn(*args, layout, inner, comm)
     else:
         flat = AxisCommunicator(comm.axis_name, comm.size)  # one node: no groups
         out, inner = comm.switch(state[FORM_KEY], [lambda a: fn(*a, layout, inner, flat),
                                                    lambda a: fn(*a, layout, inner, comm)], tuple(args))
-    return out, {**inner, FORM_KEY: state[FORM_KEY]}
+    return out, {FORM_KEY: state[FORM_KEY], INNER_KEY: inner}
 
 
 def _timing(algorithm: Algorithm, layouts: Sequence[BucketLayout], axis_name, local: int):

@@ -447,7 +447,11 @@ def wrap(
         devices_per_node: groups the axis into nodes for the hierarchical
             algorithms (default: this process's devices times torchrun's
             ``LOCAL_WORLD_SIZE``), which run in two levels under ``pmap`` with
-            >= 2 nodes.  Where there are no node groups (``shard_map``: JAX has
+            >= 2 nodes.  With >= 2 devices per node, ``hierarchical=None`` takes
+            the faster form: ``wrap`` times both under ``pmap`` (a few reduces of
+            zero buckets, compiled for each form) and the choice is part of the
+            state (``init``), so a restored state keeps its form (:mod:`.node_form`).
+            Where there are no node groups (``shard_map``: JAX has
             no grouped collectives there; a ``devices_per_node`` that does not
             divide the axis) the default ``hierarchical=None`` runs flat and
             ``hierarchical=True`` is refused when the step is traced.

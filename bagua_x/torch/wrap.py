@@ -219,7 +219,10 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         local_world_size: ranks per node for hierarchical algorithms (default
             torchrun's ``LOCAL_WORLD_SIZE``); every rank must see the same
             setting and node layout, else all raise the same BaguaXError before
-            any node group is made.
+            any node group is made.  On >= 2 nodes of >= 2 ranks,
+            ``hierarchical=None`` takes the faster form, timed at the first
+            forward on copies of the buckets; ``algorithm_state_dict()`` keeps
+            the choice and a load restores it (:mod:`.node_form`).
 
     Returns:
         The wrapped model: call it like the model; ``.module`` is the model.
