@@ -175,8 +175,10 @@ def compressed_bytes(numel: int, world_size: int) -> float:
 class NodeAware:
     """Mixin for algorithms with a ``hierarchical: Optional[bool]`` field (Bagua's option).
 
-    ``None`` uses the frontend's node groups where it has them, ``True``
-    requires them (a frontend that has none refuses), ``False`` stays flat.
+    ``None`` uses the frontend's node groups where it has them and they are
+    faster (the frontend times both forms and offers the groups or withholds
+    them: :mod:`bagua_x.core.autotune`), ``True`` requires them (a frontend
+    that has none refuses), ``False`` stays flat.
     """
 
     hierarchical: Optional[bool]
@@ -197,10 +199,11 @@ class NodeAware:
 def hierarchical(setting: Optional[bool], comm) -> bool:
     """Whether a ``hierarchical=`` setting runs in two levels on ``comm``.
 
-    ``None`` (the default): when there are >= 2 nodes of >= 2 ranks, as Bagua
-    defaults it; with one rank per node the two levels would be the flat
-    exchange again, and on one node there is no slow link to spare.  ``True``:
-    whenever the communicator knows the nodes.
+    ``None`` (the default): when there are >= 2 nodes of >= 2 ranks (with one
+    rank per node the two levels would be the flat exchange again, and on one
+    node there is no slow link to spare) and the frontend found the two levels
+    faster: it times both forms and withholds the node groups from ``comm``
+    when flat wins.  ``True``: whenever the communicator knows the nodes.
     """
     if setting is False or Feature.HIERARCHICAL not in comm.features:
         return False

@@ -7,7 +7,7 @@ chunks (allgather).  Every rank dequantises the same bytes, its own chunk
 included, so all ranks end bitwise identical.  Bytes on the wire per rank are
 about 2 x numel (vs 8 x numel for a float32 ring allreduce).
 
-``hierarchical`` (Bagua's option, default on with >= 2 nodes of >= 2 ranks):
+``hierarchical`` (Bagua's option; by default the faster form, timed, on >= 2 nodes of >= 2 ranks):
 gradients are averaged in full precision inside each node and only the nodes
 exchange 8-bit (:func:`compressed_average`); each of a node's L ranks
 compresses its 1/L shard, so a chunk is 1/(L x nodes) of the bucket where
@@ -76,8 +76,8 @@ class ByteGrad(NodeAware, Algorithm):
     Args:
         average: divide the sum by the number of ranks.
         hierarchical: over nodes (full precision inside each node, the flat algorithm between nodes;
-            ``over_nodes``): ``None`` where there are >= 2 nodes of >= 2 ranks, ``True`` required (refused
-            where the frontend has no node groups), ``False`` flat.
+            ``over_nodes``): ``None`` the faster form, timed at set-up, where there are >= 2 nodes of >= 2
+            ranks, ``True`` required (refused where the frontend has no node groups), ``False`` flat.
     """
 
     average: bool = True

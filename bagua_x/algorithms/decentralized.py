@@ -9,7 +9,7 @@ before the optimizer applies the gradient computed at the old weights:
 pairs with ``((s + r) mod ((N+1)//2)) + N/2`` and rank ``r >= N/2`` with
 ``(r - N/2 - s) mod (N/2)``; the two average their weights.
 
-``hierarchical`` (Bagua's option, default on with >= 2 nodes of >= 2 ranks):
+``hierarchical`` (Bagua's option; by default the faster form, timed, on >= 2 nodes of >= 2 ranks):
 weights are averaged inside each node first, then the nodes play the ranks'
 part above (``shift_one`` pairs nodes, so their number must be even), and every
 rank of a node ends with the node's result (:func:`~.base.over_nodes`).
@@ -51,8 +51,8 @@ class Decentralized(NodeAware, Algorithm):
             changes every communication; an even number of ranks).
         communication_interval: communicate every this many steps.
         hierarchical: over nodes (full precision inside each node, the flat algorithm between nodes;
-            ``over_nodes``): ``None`` where there are >= 2 nodes of >= 2 ranks, ``True`` required (refused
-            where the frontend has no node groups), ``False`` flat.
+            ``over_nodes``): ``None`` the faster form, timed at set-up, where there are >= 2 nodes of >= 2
+            ranks, ``True`` required (refused where the frontend has no node groups), ``False`` flat.
     """
 
     peer_selection_mode: str = "all"

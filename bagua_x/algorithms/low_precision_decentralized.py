@@ -7,7 +7,7 @@ copies of ``x``.  After the optimizer step:
 neighbours; ``L += deQ(q_from_left)``, ``R += deQ(q_from_right)``;
 ``x <- w + deQ(q)``; ``w <- x``.  Only 8-bit differences travel.
 
-``hierarchical`` (Bagua's option, default on with >= 2 nodes of >= 2 ranks):
+``hierarchical`` (Bagua's option; by default the faster form, timed, on >= 2 nodes of >= 2 ranks):
 the ring is one of nodes.  Weights are averaged inside each node in full
 precision; each of a node's L ranks runs the step above on its 1/L shard of
 the average with the ranks holding that shard in the neighbouring nodes, and
@@ -61,8 +61,8 @@ class LowPrecisionDecentralized(NodeAware, Algorithm):
     Args:
         communication_interval: communicate every this many steps.
         hierarchical: over nodes (full precision inside each node, the flat algorithm between nodes;
-            ``over_nodes``): ``None`` where there are >= 2 nodes of >= 2 ranks, ``True`` required (refused
-            where the frontend has no node groups), ``False`` flat.
+            ``over_nodes``): ``None`` the faster form, timed at set-up, where there are >= 2 nodes of >= 2
+            ranks, ``True`` required (refused where the frontend has no node groups), ``False`` flat.
     """
 
     communication_interval: int = 1

@@ -30,7 +30,7 @@ What this file holds and what the frontends add:
   That re-expression, the warmup's gradient allreduce and the switch to
   momentum buckets are torch frontend code (``bagua_x/torch/qadam.py``).
 
-``hierarchical`` (Bagua's option, default on with >= 2 nodes of >= 2 ranks):
+``hierarchical`` (Bagua's option; by default the faster form, timed, on >= 2 nodes of >= 2 ranks):
 both exchanges average inside each node in full precision and only between
 nodes run the flat exchange (as :class:`~.bytegrad.ByteGrad` does).
 """
@@ -84,8 +84,8 @@ class QAdam(NodeAware, Algorithm):
         eps: added to the denominator.
         weight_decay: L2 penalty added to the gradient.
         hierarchical: over nodes (full precision inside each node, the flat algorithm between nodes;
-            ``over_nodes``): ``None`` where there are >= 2 nodes of >= 2 ranks, ``True`` required (refused
-            where the frontend has no node groups), ``False`` flat.
+            ``over_nodes``): ``None`` the faster form, timed at set-up, where there are >= 2 nodes of >= 2
+            ranks, ``True`` required (refused where the frontend has no node groups), ``False`` flat.
     """
 
     lr: float = 1e-3

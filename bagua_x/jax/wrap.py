@@ -36,6 +36,7 @@ from ..core.validation import describe
 from .checks import FiniteCheck, check_leaf_dtype, check_registrable
 from .communicator import AxisCommunicator, default_local_size
 from .distributed import check_same_across_processes, heartbeat_timeout
+from .node_form import measured_form, run_in_form, with_form
 from .placement import replicate as _replicate
 from .placement import unreplicate as _unreplicate
 from .watchdog import StepWatchdog
@@ -128,6 +129,9 @@ class DataParallel:
             ),
             "bagua_x.jax.wrap: the params trees or settings differ across processes",
         )
+        # hierarchical=None on nodes: flat or over nodes, timed here (every process wraps); None: not measured
+        self._two_level = measured_form(self.algorithm, self.layouts, axis_name, self.world_size,
+                                        devices_per_node or min(default_local_size(), self.world_size))
         logger.info(
             "bagua_x.jax.wrap: %d leaves in %d buckets, %s, world size %d%s",
             len(flat), len(self.bucket_leaves), self.algorithm.hyperparameters(), self.world_size,
@@ -165,10 +169,10 @@ class DataParallel:
             leaves = [jnp.zeros(shape, dtype) for shape, dtype in zip(self._shapes, self._dtypes)]
         else:
             leaves = self._leaves(self._initial if params is None else params, "init_state")
-        return tuple(
+        return with_form(tuple(
             self.algorithm.init(layout.pack([leaves[i] for i in bucket], xp=jnp), layout, self.world_size)
             for bucket, layout in zip(self.bucket_leaves, self.layouts)
-        )
+        ), self._two_level)
 
     def init(self, params: Any = None, mesh: Optional[jax.sharding.Mesh] = None) -> tuple:
         """:meth:`init_state` (from ``params``, default the wrapped ones) on every device.
@@ -232,10 +236,10 @@ class DataParallel:
 
         def init(params):
             leaves = self._leaves(params, "optimizer init")
-            return tuple(
+            return with_form(tuple(
                 algorithm.init(jnp.zeros((layout.padded_numel,), leaves[bucket[0]].dtype), layout, self.world_size)
                 for bucket, layout in zip(self.bucket_leaves, self.layouts)
-            )
+            ), self._two_level)
 
         def update(grads, state, params=None):
             if params is None:
@@ -398,7 +402,7 @@ class DataParallel:
             if not self.pack_buckets:
                 for i in bucket:  # one leaf is a bucket of its own
                     leaf = BucketLayout([self.names[i]], [self._shapes[i]], str(self._dtypes[i]))
-                    out[i], st = fn(*(ls[i] for ls in leaves), leaf, st, comm)
+                    out[i], st = run_in_form(fn, [ls[i] for ls in leaves], leaf, st, comm)
             else:
                 if layout.padded_numel % self.algorithm.alignment(comm.size):
                     raise BaguaXError(
@@ -407,7 +411,7 @@ class DataParallel:
                         f"size {comm.size}; pass world_size={comm.size} to wrap"
                     )
                 flats = [layout.pack([ls[i] for i in bucket], xp=jnp) for ls in leaves]
-                flat, st = fn(*flats, layout, st, comm)
+                flat, st = run_in_form(fn, flats, layout, st, comm)
                 for i, value in zip(bucket, layout.unpack(flat, xp=jnp)):
                     out[i] = value.astype(self._dtypes[i])
             new_state.append(st)
@@ -457,7 +461,11 @@ def wrap(
         devices_per_node: groups the axis into nodes for the hierarchical
             algorithms (default: this process's devices times torchrun's
             ``LOCAL_WORLD_SIZE``), which run in two levels under ``pmap`` with
-            >= 2 nodes.  Where there are no node groups (``shard_map``: JAX has
+            >= 2 nodes.  With >= 2 devices per node, ``hierarchical=None`` takes
+            the faster form: ``wrap`` times both under ``pmap`` (a few reduces of
+            zero buckets, compiled for each form) and the choice is part of the
+            state (``init``), so a restored state keeps its form (:mod:`.node_form`).
+            Where there are no node groups (``shard_map``: JAX has
             no grouped collectives there; a ``devices_per_node`` that does not
             divide the axis) the default ``hierarchical=None`` runs flat and
             ``hierarchical=True`` is refused when the step is traced.

@@ -49,6 +49,7 @@ class TorchCommunicator:
         self._size = dist.get_world_size(process_group)
         self._donated: Optional[torch.Tensor] = None
         self._features: frozenset[Feature] = frozenset()
+        self._node_comms: Optional[tuple["TorchCommunicator", "TorchCommunicator"]] = None
 
     @property
     def rank(self) -> int:
@@ -206,6 +207,14 @@ class TorchCommunicator:
                 mine.append(TorchCommunicator(group, timeout=self.timeout))
         self._node_comms = tuple(mine)
         self._features = self._features | {Feature.HIERARCHICAL}
+
+    def use_nodes(self, two_level: bool) -> None:
+        """Offer ``Feature.HIERARCHICAL`` (``two_level``) or withhold it, keeping the node groups: the form
+        chosen by measurement or restored from a checkpoint (see :mod:`.node_form`)."""
+        if self._node_comms is None:
+            raise BaguaXError("use_nodes() needs the node groups of enable_hierarchical(), which made none here")
+        self._features = self._features | {Feature.HIERARCHICAL} if two_level else \
+            self._features - {Feature.HIERARCHICAL}
 
     def _nodes(self) -> tuple["TorchCommunicator", "TorchCommunicator"]:
         if Feature.HIERARCHICAL not in self._features:

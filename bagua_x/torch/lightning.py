@@ -29,8 +29,8 @@ What differs from DDPStrategy, and why:
   Lightning issues meanwhile (``self.log(..., sync_dist=True)`` during an
   exchange, barriers, broadcasts).  Pass ``process_group=`` to choose it.
   Hierarchical variants see Lightning's nodes (``num_nodes`` nodes of
-  ``devices`` ranks): ``hierarchical=None`` runs over nodes with >= 2 nodes of
-  >= 2 ranks, as under wrap().
+  ``devices`` ranks): ``hierarchical=None`` runs in the faster form, timed, with
+  >= 2 nodes of >= 2 ranks, as under wrap().
 * Gradient accumulation (``accumulate_grad_batches``) skips communication on
   the micro-batches that are not followed by a step, as DDP's ``no_sync``:
   every algorithm communicates once per optimizer step.

@@ -29,6 +29,7 @@ from .distributed import (broadcast_tensors, check_one_gpu_per_rank, check_same_
                           model_device)
 from .engine import Engine, EngineOptions
 from .grad_sync import GradientEngine
+from .node_form import NodeForm
 from .nodes import declared_setting
 from .qadam import MomentumEngine, QAdamOptimizer
 from .watchdog import resolve_timeout
@@ -79,6 +80,7 @@ class DistributedModel(torch.nn.Module):
                                 static_graph=static_graph)
         self._engine: Engine = _engine_class(algorithm)(list(module.named_parameters()), algorithm, self.comm,
                                                           options=options)
+        self._form = NodeForm(algorithm, self.comm)  # hierarchical=None on nodes: timed at the first forward
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -89,6 +91,8 @@ class DistributedModel(torch.nn.Module):
         # communication still in flight ends first: the buffer broadcast below must not share the
         # process group with it from another thread (the ranks could pair collectives differently)
         self._engine.settle()
+        if self._form.pending:
+            self._form.choose(self._engine.buckets)
         if self._buffers_to_sync and self._sync_buffers_next:
             broadcast_tensors(self._buffers_to_sync, self.process_group, timeout=self.timeout)
         self._engine.before_forward()
@@ -121,11 +125,12 @@ class DistributedModel(torch.nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def algorithm_state_dict(self) -> dict:
-        """Per-bucket algorithm state (step counters, decentralized neighbour estimates...)."""
-        return self._engine.state_dict()
+        """Per-bucket algorithm state (step counters, decentralized neighbour estimates...), and the form
+        ``hierarchical=None`` took on nodes by measurement (:mod:`.node_form`), which a load restores."""
+        return self._form.save(self._engine.state_dict())
 
     def load_algorithm_state_dict(self, state: dict) -> None:
-        self._engine.load_state_dict(state)
+        self._engine.load_state_dict(self._form.load(state))
 
     # -- asynchronous averaging -------------------------------------------------------------
     def abort(self) -> None:
@@ -214,7 +219,10 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         local_world_size: ranks per node for hierarchical algorithms (default
             torchrun's ``LOCAL_WORLD_SIZE``); every rank must see the same
             setting and node layout, else all raise the same BaguaXError before
-            any node group is made.
+            any node group is made.  On >= 2 nodes of >= 2 ranks,
+            ``hierarchical=None`` takes the faster form, timed at the first
+            forward on copies of the buckets; ``algorithm_state_dict()`` keeps
+            the choice and a load restores it (:mod:`.node_form`).
 
     Returns:
         The wrapped model: call it like the model; ``.module`` is the model.

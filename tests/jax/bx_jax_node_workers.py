@@ -184,3 +184,94 @@ def hierarchical_worker(names: list, calls: int) -> dict:
     finally:
         jax.distributed.shutdown()
     return results
+
+
+# -- hierarchical=None: the form chosen by measurement at wrap ------------------------------------------------------
+
+def _sleep_then(seconds: float, x):
+    import time
+
+    time.sleep(seconds)
+    return np.asarray(x)
+
+
+def _slowed(algorithm, delays: dict):
+    """``algorithm`` whose compiled ``reduce`` sleeps ``delays[(process, over nodes)]`` seconds after its
+    collectives, for programs traced while ``delays`` is not empty: one form slow on some processes only."""
+    import functools
+
+    import jax
+
+    from bagua_x.core.comm import Feature
+
+    class Slowed(type(algorithm)):
+        def reduce(self, flat, layout, state, comm):
+            out, state = super().reduce(flat, layout, state, comm)
+            delay = delays.get((jax.process_index(), Feature.HIERARCHICAL in comm.features), 0.0)
+            if delay:
+                out = jax.pure_callback(functools.partial(_sleep_then, delay),
+                                        jax.ShapeDtypeStruct(out.shape, out.dtype), out)
+            return out, state
+
+    return Slowed(**{f.name: getattr(algorithm, f.name) for f in dataclasses.fields(algorithm)})
+
+
+class _Records:
+    """The messages bagua_x logs at INFO and above while it is installed."""
+
+    def __enter__(self):
+        import logging
+
+        self.messages, self.logger = [], logging.getLogger("bagua_x")
+        self.handler = logging.Handler()
+        self.handler.emit = lambda record: self.messages.append(record.getMessage())
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self.handler)
+        return self.messages
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+
+
+def measured_worker(name: str, first: dict, second: dict, total: int, k: int, directory: str) -> dict:
+    """``name`` at hierarchical=None, timed at wrap with one form slowed by ``first``: its form, log and training;
+    the same training with each form forced; and a run stopped at ``k`` and resumed under a wrap slowed by
+    ``second`` (which times the other form faster) from the checkpoint."""
+    import os
+
+    import jax
+
+    import bagua_x.jax as bxj
+    from bagua_x import algorithms
+    from bagua_x.jax.node_form import MeasuredState
+    from bx_jax_workers import make_data, make_params, resumable_pmap
+
+    def wrap(algorithm, delays=None):
+        with _Records() as messages:
+            dp = bxj.wrap(params, algorithm=algorithm if delays is None else _slowed(algorithm, delays))
+        if delays is not None:
+            delays.clear()  # the training step is traced without them
+        state = dp.init_state()
+        return dp, messages, int(state[0].hierarchical) if isinstance(state[0], MeasuredState) else None
+
+    bxj.init_distributed()
+    try:
+        rank = jax.process_index()
+        base = getattr(algorithms, name)()
+        params = make_params(0)
+        x, y = make_data(total, 4)
+        x, y = x[:, rank:rank + 1], y[:, rank:rank + 1]
+        path = os.path.join(directory, f"process{rank}.npz")
+        dp, messages, form = wrap(base, dict(first))
+        out = {"form": form, "messages": messages, "full": resumable_pmap(dp, params, x, y, 0, total)}
+        for setting in (True, False):
+            forced, forced_messages, forced_form = wrap(dataclasses.replace(base, hierarchical=setting))
+            out[setting] = (forced_form, forced_messages, resumable_pmap(forced, params, x, y, 0, total))
+        resumable_pmap(wrap(base, dict(first))[0], params, x, y, 0, k, save=path)
+        dp, messages, form = wrap(base, dict(second))
+        out["resumed"] = (form, resumable_pmap(dp, make_params(1), x, y, k, total, load=path))
+    finally:
+        jax.distributed.shutdown()
+    return out

@@ -155,3 +155,19 @@ def test_hierarchical_true_without_node_groups_is_refused():
     assert re.fullmatch(r"reduce_gradients: .* but axis 'batch' has 4 devices, which do not split into nodes of 3 "
                         r"\(wrap\(devices_per_node=\.\.\.\), .*\); pass a devices_per_node that divides the axis; or "
                         r"pass hierarchical=None .*", got["pmap"]), got
+
+
+def test_a_measured_form_under_shard_map_runs_flat():
+    """wrap times the forms under pmap and puts the choice in the state; shard_map has no node groups, so the
+    step carries the choice and runs flat: bitwise the forced flat run."""
+    from bagua_x.jax.node_form import MeasuredState
+
+    params = w.make_params(0)
+    x, y = w.make_data(3, N)
+    mesh = jax.make_mesh((N,), ("batch",))
+    measured = wrap(params, algorithm=ByteGrad(), devices_per_node=LOCAL)
+    assert int(measured.init_state()[0].hierarchical) in (0, 1)
+    flat = wrap(params, algorithm=ByteGrad(hierarchical=False), devices_per_node=LOCAL)
+    assert not isinstance(flat.init_state()[0], MeasuredState)  # forced: not timed
+    got, want = w.bagua_shard_map(measured, params, x, y, mesh), w.bagua_shard_map(flat, params, x, y, mesh)
+    jax.tree.map(np.testing.assert_array_equal, got, want)

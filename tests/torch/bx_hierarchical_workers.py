@@ -57,7 +57,7 @@ def algorithms():
 
 
 def training(steps: int = 30):
-    """wrap() with each algorithm at its default (hierarchical on 2 nodes of 2), against DDP.
+    """wrap() with each algorithm over nodes (hierarchical=True, on 2 nodes of 2), against DDP.
 
     Collectives are counted per communicator (every one goes through ``TorchCommunicator._wait``),
     so the test sees which of the flat, in-node and across-node groups each algorithm used.
@@ -78,8 +78,9 @@ def training(steps: int = 30):
     g = torch.Generator().manual_seed(rank)
     xs = torch.randn(steps, 16, 5, generator=g)
     ys = xs.sum(-1, keepdim=True).sin()
-    systems = {"ddp": None, "allreduce": GradientAllReduce(hierarchical=True), "bytegrad": ByteGrad(),
-               "decentralized": Decentralized(), "lpd": LowPrecisionDecentralized(), "qadam": "qadam"}
+    systems = {"ddp": None, "allreduce": GradientAllReduce(hierarchical=True), "bytegrad": ByteGrad(hierarchical=True),
+               "decentralized": Decentralized(hierarchical=True), "lpd": LowPrecisionDecentralized(hierarchical=True),
+               "qadam": "qadam"}
     calls = collections.Counter()
     wait = bxt.TorchCommunicator._wait
 
@@ -94,7 +95,7 @@ def training(steps: int = 30):
         torch.manual_seed(rank)  # different initial weights on each rank: wrap broadcasts rank 0's
         model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         if alg == "qadam":
-            opt = bxt.QAdamOptimizer(model.parameters(), lr=0.02, warmup_steps=5)
+            opt = bxt.QAdamOptimizer(model.parameters(), lr=0.02, warmup_steps=5, hierarchical=True)
             wrapped = bxt.wrap(model, opt)
         else:
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -145,3 +146,123 @@ def disagree(settings):
     dist.barrier()  # rank 0 hosts the store: leave together
     dist.destroy_process_group()
     return outcome, seconds
+
+
+# -- hierarchical=None: the form chosen by measurement -------------------------------------------------------------
+
+def _slowed(algorithm, delays: dict):
+    """``algorithm`` whose ``reduce`` sleeps ``delays[(rank, over nodes)]`` seconds after its collectives, while
+    ``delays`` is not empty: one form made slow on some ranks only, so ranks time the forms differently."""
+    import dataclasses
+    import time
+
+    import torch.distributed as dist
+
+    from bagua_x.core.comm import Feature
+
+    class Slowed(type(algorithm)):
+        def reduce(self, flat, layout, state, comm):
+            out = super().reduce(flat, layout, state, comm)
+            time.sleep(delays.get((dist.get_rank(), Feature.HIERARCHICAL in comm.features), 0.0))
+            return out
+
+    return Slowed(**{f.name: getattr(algorithm, f.name) for f in dataclasses.fields(algorithm)})
+
+
+class _Records:
+    """The messages bagua_x logs at INFO and above while it is installed."""
+
+    def __enter__(self):
+        import logging
+
+        self.messages, self.logger = [], logging.getLogger("bagua_x")
+        self.handler = logging.Handler()
+        self.handler.emit = lambda record: self.messages.append(record.getMessage())
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self.handler)
+        return self.messages
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+
+
+def _train_measured(algorithm, rank: int, steps, delays: dict, seed: int, load=None, save=None, stop=None):
+    """Train the small model of :func:`training` with ``algorithm`` (delays cleared after the first forward);
+    returns (over nodes?, the log, params), saving the checkpoint to ``save`` after ``stop`` steps."""
+    import torch
+    import torch.nn.functional as F
+
+    import bagua_x.torch as bxt
+    from bagua_x.core.comm import Feature
+
+    g = torch.Generator().manual_seed(rank)
+    xs = torch.randn(30, 16, 5, generator=g)
+    ys = xs.sum(-1, keepdim=True).sin()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with _Records() as messages:
+        wrapped = bxt.wrap(model, opt, algorithm=algorithm)
+        if load is not None:
+            saved = torch.load(load)
+            wrapped.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+            wrapped.load_algorithm_state_dict(saved["algorithm"])
+        for s in steps:
+            opt.zero_grad()
+            loss = F.mse_loss(wrapped(xs[s]), ys[s])
+            delays.clear()
+            loss.backward()
+            opt.step()
+            if s + 1 == stop:
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                            "algorithm": wrapped.algorithm_state_dict()}, save)
+    two_level = Feature.HIERARCHICAL in wrapped.comm.features
+    wrapped.shutdown()
+    return two_level, list(messages), [p.detach().clone().numpy() for p in model.parameters()]
+
+
+def measured(name: str, delays: dict, steps: int = 6):
+    """``name`` (ByteGrad or LowPrecisionDecentralized) at hierarchical=None, slowed by ``delays`` while timed; and
+    the same training with the chosen form forced (the reference), and with each form forced (no timing)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from bagua_x import algorithms
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    base = getattr(algorithms, name)()
+    slowed = dict(delays)
+    two_level, messages, params = _train_measured(_slowed(base, slowed), rank, range(steps), slowed, rank)
+    out = {"two_level": two_level, "messages": messages, "params": params}
+    for setting in (True, False):
+        out[setting] = _train_measured(dataclasses.replace(base, hierarchical=setting), rank, range(steps), {}, rank)
+    dist.destroy_process_group()
+    return out
+
+
+def measured_resume(name: str, first: dict, second: dict, total: int, k: int, path: str):
+    """Uninterrupted and first part slowed by ``first``; a resumed run slowed by ``second`` (which would time
+    the other form faster): it must keep the checkpoint's form and continue bitwise."""
+    import os
+
+    import torch.distributed as dist
+
+    from bagua_x import algorithms
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    base = getattr(algorithms, name)()
+    file = os.path.join(path, f"rank{rank}.pt")
+    slowed = dict(first)  # the delays stay on through the first forward: _train_measured clears them after it
+    out = {"full": _train_measured(_slowed(base, slowed), rank, range(total), slowed, rank)}
+    slowed = dict(first)
+    _train_measured(_slowed(base, slowed), rank, range(k), slowed, rank, save=file, stop=k)
+    slowed = dict(second)
+    out["resumed"] = _train_measured(_slowed(base, slowed), rank, range(k, total), slowed, 100 + rank, load=file)
+    dist.destroy_process_group()
+    return out

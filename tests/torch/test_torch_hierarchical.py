@@ -1,9 +1,11 @@
 """Hierarchical variants over real gloo node groups: 4 ranks as 2 nodes of 2, against the numpy references."""
 
 import os
+import re
 import sys
 
 import numpy as np
+import pytest
 
 import bx_hierarchical_workers as w
 from bagua_x import testing
@@ -47,11 +49,11 @@ def test_algorithms_match_the_hierarchical_references():
             assert np.abs(r["lpd"][t] - xs[rank]).max() <= 5e-8  # seen 3e-8; a flipped code is ~1e-4
 
 
-def test_training_with_default_settings_runs_over_nodes():
+def test_training_over_nodes():
     res = run_workers("bx_hierarchical_workers:training", nproc=4, timeout=240, env=ENV)
     for r in res:
         for name in ("allreduce", "bytegrad", "decentralized", "lpd", "qadam"):
-            assert r[name]["hierarchical"], name  # hierarchical=None: on, with 2 nodes of 2
+            assert r[name]["hierarchical"], name  # hierarchical=True, with 2 nodes of 2
             calls = r[name]["calls"]  # and the algorithm ran over them: in the node and across nodes, never flat
             assert calls["within"] >= 30 and calls["across"] >= 30 and calls["flat"] == 0, (name, calls)
         # an uncompressed two-level allreduce is DDP's allreduce in another summation order
@@ -110,3 +112,52 @@ def test_a_rank_that_never_wraps_fails_the_others_after_the_timeout():
     for outcome, seconds in res[:3]:
         assert "ranks [3] did not arrive within 3 s" in outcome, outcome
         assert 3 <= seconds < 6, seconds  # wrap(timeout=3)
+
+
+# One form made slow by a delay on some ranks only while the forms are timed: nodes 0 and 1 alone would choose
+# differently (node 0 sees a 0.3 s penalty in one form, node 1 a 0.1 s one in the other); every rank must take
+# the form the slowest rank's times favour.
+SKEWS = {"over nodes": {(0, False): 0.3, (1, False): 0.3, (2, True): 0.1, (3, True): 0.1},
+         "flat": {(0, True): 0.3, (1, True): 0.3, (2, False): 0.1, (3, False): 0.1}}
+MEASURED = re.compile(r"bagua_x: Slowed runs (over nodes|flat), by measurement: one reduce of every bucket took "
+                      r"([0-9.]+) ms flat and ([0-9.]+) ms over nodes \(median of 3 rounds, slowest rank\)")
+
+
+@pytest.mark.parametrize("name, expected", [("ByteGrad", "over nodes"), ("LowPrecisionDecentralized", "flat")])
+def test_default_form_is_measured_and_every_rank_takes_the_same(name, expected):
+    res = run_workers("bx_hierarchical_workers:measured", nproc=4, args=(name, SKEWS[expected]), timeout=240,
+                      env=ENV)
+    logged = []
+    for r in res:
+        assert r["two_level"] == (expected == "over nodes")
+        found = [m for m in map(MEASURED.fullmatch, r["messages"]) if m]
+        assert len(found) == 1, r["messages"]  # timed once, at the first forward
+        logged.append(found[0].groups())
+    assert len(set(logged)) == 1, logged  # the same decision and times on every rank
+    form, flat_ms, two_ms = logged[0]
+    assert form == expected
+    slow, fast = (float(flat_ms), float(two_ms)) if expected == "over nodes" else (float(two_ms), float(flat_ms))
+    assert slow >= 300 and 100 <= fast < 300, logged[0]  # each form at its slowest rank's time
+    for r in res:
+        # the result of the chosen form: bitwise the run with that form forced, which times nothing
+        chosen = r[expected == "over nodes"]
+        for a, b in zip(r["params"], chosen[2]):
+            np.testing.assert_array_equal(a, b)
+        for setting in (True, False):
+            assert r[setting][0] is setting and not any("by measurement" in m for m in r[setting][1])
+        assert any(not np.array_equal(a, b) for a, b in zip(r[True][2], r[False][2]))  # the forms differ
+
+
+def test_resume_keeps_the_measured_form_bitwise(tmp_path):
+    """Timed over nodes in the first run; the resumed run would time flat faster, but keeps the checkpoint's form
+    (LowPrecisionDecentralized's neighbour estimates are of nodes there) and continues bitwise."""
+    res = run_workers("bx_hierarchical_workers:measured_resume", nproc=4, timeout=240, env=ENV,
+                      args=("LowPrecisionDecentralized", SKEWS["over nodes"], SKEWS["flat"], 6, 3, str(tmp_path)))
+    for r in res:
+        (full_form, full_log, full), (resumed_form, resumed_log, resumed) = r["full"], r["resumed"]
+        assert full_form and resumed_form
+        assert any(MEASURED.fullmatch(m) for m in full_log)
+        assert not any("by measurement" in m for m in resumed_log), resumed_log
+        assert "bagua_x: Slowed runs over nodes, as in the loaded algorithm state" in resumed_log
+        for a, b in zip(full, resumed):
+            np.testing.assert_array_equal(a, b)

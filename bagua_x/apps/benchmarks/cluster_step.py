@@ -6,8 +6,10 @@
 Every rank (launched by torchrun inside its node's network namespace) builds
 a model of ``torch_zoo.py`` (``--model``, as ``torch_vs_ddp.py`` does; QAdam against
 DDP + Adam) once per system: DDP, then each algorithm with
-``hierarchical=False`` and at its default (hierarchical on >= 2 nodes of >= 2
-ranks; ModelAverage has no hierarchical variant, so it runs flat only), and
+``hierarchical=False`` (``flat``), ``True`` (``hierarchical``) and at its
+default ``None`` (``default``: the faster of the two, timed at the first
+forward, during the warm-up; ModelAverage has no hierarchical variant, so it
+runs flat only), and
 the model with no communication at all (``compute``: the floor
 any algorithm can reach while the ranks share the machine's cores).  The systems run in interleaved rounds, the order reversed every
 other round, so all see the same machine load; rank 0 prints the median step
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 
@@ -32,7 +35,7 @@ FLAT_ONLY = {"model_average"}  # no hierarchical variant (as in Bagua)
 
 def build_system(name: str, seed: int, bucket_cap_mb: float, model_name: str):
     """``(model, optimizer)`` of one system: ``compute`` (no communication: the floor), ``ddp``, ``ddp_adam`` or
-    ``<algorithm>/<flat|hierarchical>``."""
+    ``<algorithm>/<flat|hierarchical|default>``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bagua_x.torch as bxt
@@ -44,7 +47,7 @@ def build_system(name: str, seed: int, bucket_cap_mb: float, model_name: str):
         model, opt = bench.build(seed, "ddp", "qadam" if name == "ddp_adam" else "allreduce", model_name)
         return DDP(model, bucket_cap_mb=bucket_cap_mb), opt
     algorithm, mode = name.split("/")
-    hierarchical = None if mode == "hierarchical" else False
+    hierarchical = {"flat": False, "hierarchical": True, "default": None}[mode]
     model, opt = bench.build(seed, "bagua_x", algorithm, model_name)
     if algorithm in FLAT_ONLY:
         return bxt.wrap(model, opt, algorithm=make_algorithm(algorithm), bucket_cap_mb=bucket_cap_mb), opt
@@ -60,6 +63,8 @@ def main():
     import torch
     import torch.distributed as dist
 
+    from bagua_x.core.comm import Feature
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", default=["bytegrad", "qadam"],
                         choices=ALGORITHMS)
@@ -72,12 +77,18 @@ def main():
     args = parser.parse_args()
 
     torch.set_num_threads(1)
+    # the systems share the compiled kernels in this one process: the shapes of all of them must not push
+    # dynamo past its recompile limit (8), past which a kernel runs eager for the shapes that come last
+    torch._dynamo.config.recompile_limit = 64
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if rank == 0:  # the defaults' choice of form, with the times it was made on
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("bagua_x.core.autotune").setLevel(logging.INFO)
     x, y = bench.zoo.batch(args.model, rank)
     names = ["compute", "ddp"] + (["ddp_adam"] if "qadam" in args.algorithms else [])
     names += [f"{a}/{mode}" for a in args.algorithms
-              for mode in (("flat",) if a in FLAT_ONLY else ("flat", "hierarchical"))]
+              for mode in (("flat",) if a in FLAT_ONLY else ("flat", "hierarchical", "default"))]
     systems = {n: build_system(n, rank, args.bucket_cap_mb, args.model) for n in names}
     times = {n: [] for n in names}
     for model, opt in systems.values():
@@ -90,7 +101,9 @@ def main():
         baseline = lambda n: ms["ddp_adam" if n.startswith("qadam") else "ddp"]  # noqa: E731
         result = {"model": args.model, "world": dist.get_world_size(), "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                   "ms": ms,
-                  "ratio_to_ddp": {n: ms[n] / baseline(n) for n in names if "/" in n}}
+                  "ratio_to_ddp": {n: ms[n] / baseline(n) for n in names if "/" in n},
+                  "default_over_nodes": {n: Feature.HIERARCHICAL in systems[n][0].comm.features
+                                         for n in names if n.endswith("/default")}}
         print(json.dumps(result), flush=True)
         if args.json:
             with open(args.json, "w") as f:
