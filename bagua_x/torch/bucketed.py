@@ -1,34 +1,42 @@
 """The lifecycle every bucketed torch engine shares, written once.
 
 :class:`BucketedEngine` holds what all of them have: the algorithm, the
-communicator, the buckets with their per-bucket state, and one communication
-thread (:class:`~.runtime.CommWorker`, whose single thread keeps collectives
-in the same order on every rank, and communicates on a CUDA stream of its
-own: the stream rules live there and in :mod:`.streams`).  It runs a bucket's
+communicator, one :class:`BucketSlot` per bucket (the bucket and its algorithm
+state, one list, no parallel ones), and one communication thread
+(:class:`~.runtime.CommWorker`, whose single thread keeps collectives in the
+same order on every rank, and communicates on a CUDA stream of its own: the
+stream rules live there and in :mod:`.streams`).  It runs a bucket's
 ``reduce`` there, saves and loads the per-bucket state, and closes.
 
 :class:`BackwardEngine` adds what engines that communicate *during backward*
-share (gradients; QAdam's momentum): a hook per tensor marks it ready once its
-gradient is final (:mod:`.ready_counts`: after one firing, or with
-``static_graph`` after as many as in the first backward), a
-:class:`~bagua_x.core.readiness.BucketDispatcher` launches complete buckets in
-list order, the end of backward waits for them (until all are launched; then
-the caller's stream waits for the communication stream), and a backward that raised
-before its end is settled before the next forward.  Subclasses say what a
-tensor's hook does (:meth:`BackwardEngine._on_ready`) and may add work before
-the wait (:meth:`BackwardEngine._before_wait`).
+share (gradients; QAdam's momentum): a hook per tensor (registered by
+:class:`~.runtime.BackwardHooks`, called with the tensor's index), one owner
+of readiness (:class:`~.ready_counts.ReadyCounts`: when a gradient is final,
+which buckets may be launched, in list order), the end of backward waits for
+them (until all are launched; then the caller's stream waits for the
+communication stream), and a backward that raised before its end is settled
+before the next forward.  Subclasses say what a tensor's hook does once it is
+final (:meth:`BackwardEngine._on_ready`) and may add work before the wait
+(:meth:`BackwardEngine._before_wait`).
+
+A gradient's control path, hook to collective, is two short stacks:
+``_hook`` -> ``_on_ready`` -> ``_mark_ready`` -> ``CommWorker.submit`` on the
+training thread, then ``_reduce`` -> :func:`reduce_in_place` ->
+``algorithm.reduce`` -> the communicator on the communication thread
+(``benchmarks/control_path.py`` prints it).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import dataclasses
+import functools
+from typing import Optional, Sequence
 
 import torch
 
 from ..algorithms.base import Algorithm
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
-from ..core.readiness import BucketDispatcher
 from ..core.tensor import RegisteredTensor
 from .buckets import load_states, state_dict_of
 from .checks import check_finite, non_finite_tensors
@@ -38,7 +46,7 @@ from .ready_counts import ReadyCounts
 from .runtime import BackwardHooks, CommWorker
 from .stall import StallInspector
 
-__all__ = ["BucketedEngine", "BackwardEngine", "reduce_in_place"]
+__all__ = ["BucketSlot", "BucketedEngine", "BackwardEngine", "reduce_in_place"]
 
 
 def reduce_in_place(algorithm: Algorithm, flat: torch.Tensor, layout, state: dict, comm: TorchCommunicator,
@@ -59,8 +67,17 @@ def reduce_in_place(algorithm: Algorithm, flat: torch.Tensor, layout, state: dic
     return state
 
 
+@dataclasses.dataclass
+class BucketSlot:
+    """A bucket, its algorithm state, and what the communication thread calls its reduction (in reports)."""
+
+    bucket: Bucket
+    state: dict
+    what: str
+
+
 class BucketedEngine:
-    """Buckets, their algorithm state and the communication thread (see the module docstring).
+    """Bucket slots and the communication thread (see the module docstring).
 
     ``what`` names the communicated tensors in messages ("gradient", "weights", "momentum").
     """
@@ -71,28 +88,31 @@ class BucketedEngine:
                  options: EngineOptions, thread_name: str):
         self.algorithm, self.comm, self.check_finite = algorithm, comm, options.check_finite
         self.enabled = True  # False inside no_sync()
-        self.buckets: list[Bucket] = []
-        self.states: list[dict] = []
+        self.slots: list[BucketSlot] = []
         self._worker = CommWorker(thread_name, tensors[0].proxy.device, comm.timeout, StallInspector(comm.group))
 
-    def _submit(self, i: int, flat: torch.Tensor, prepare: Optional[Callable[[], None]] = None) -> None:
-        """Run the algorithm on bucket ``i``'s ``flat`` values on the communication thread (state kept),
-        after ``prepare()`` there."""
-        bucket = self.buckets[i]
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [s.bucket for s in self.slots]
 
-        def job():
-            if prepare is not None:
-                prepare()
-            with torch.no_grad():
-                self.states[i] = reduce_in_place(self.algorithm, flat, bucket.layout, self.states[i], self.comm,
-                                                 (bucket, self.what) if self.check_finite else None)
-        self._worker.submit(f"{type(self.algorithm).__name__} on {bucket.name}", job, bucket)
+    def _slots(self, buckets: Sequence[Bucket], states: Sequence[dict]) -> list[BucketSlot]:
+        name = type(self.algorithm).__name__
+        return [BucketSlot(b, s, f"{name} on {b.name}") for b, s in zip(buckets, states)]
+
+    def _submit(self, slot: BucketSlot, flat: torch.Tensor) -> None:
+        """Run the algorithm on ``flat``, the values of ``slot``'s bucket, on the communication thread."""
+        self._worker.submit(slot.what, functools.partial(self._reduce, slot, flat), slot.bucket)
+
+    def _reduce(self, slot: BucketSlot, flat: torch.Tensor) -> None:
+        """On the communication thread: ``flat <- reduce(flat)``, the slot's state kept."""
+        slot.state = reduce_in_place(self.algorithm, flat, slot.bucket.layout, slot.state, self.comm,
+                                     (slot.bucket, self.what) if self.check_finite else None)
 
     def state_dict(self) -> dict:
-        return state_dict_of(self.buckets, self.states)
+        return state_dict_of(self.slots)
 
     def load_state_dict(self, saved: dict) -> None:
-        load_states(self.buckets, self.states, saved)
+        load_states(self.slots, saved)
 
     def close(self) -> None:
         self._worker.close()
@@ -106,37 +126,39 @@ class BackwardEngine(BucketedEngine):
         super().__init__(tensors, algorithm, comm, options, thread_name)
         self.find_unused = options.find_unused_parameters
         self._tensors = list(tensors)
-        self._dispatcher: Optional[BucketDispatcher] = None
-        self._counts = ReadyCounts(tensors, options.static_graph)
-        self._hooks = BackwardHooks(tensors, self._on_hook, self._finish, lambda: self.enabled)
+        self._index = {t.name: i for i, t in enumerate(self._tensors)}
+        self._ready = ReadyCounts([t.name for t in self._tensors], options.static_graph)
+        self._hooks = BackwardHooks(tensors, self._hook, self._finish, lambda: self.enabled)
 
-    def _set_buckets(self, buckets: list[Bucket], states: list[dict]) -> None:
-        self.buckets, self.states = buckets, states
-        self._dispatcher = BucketDispatcher(buckets, self._launch)
+    def _set_slots(self, slots: list[BucketSlot]) -> None:
+        self.slots = slots
+        self._ready.set_buckets([s.bucket.name for s in slots],
+                                [[self._index[t.name] for t in s.bucket.tensors] for s in slots])
 
-    def _on_hook(self, t: RegisteredTensor) -> None:
-        if self._counts.fire(t):
-            self._on_ready(t)
+    def _hook(self, i: int, _param: torch.Tensor) -> None:
+        """Tensor ``i``'s post-accumulate-grad hook (outside ``no_sync()``)."""
+        if self.enabled:
+            self._hooks.arm()
+            if self._ready.fire(i):
+                self._on_ready(i)
 
-    def _on_ready(self, t: RegisteredTensor) -> None:
-        """``t``'s gradient is final in this backward (its hook's last firing, see :mod:`.ready_counts`):
-        make its effective tensor final, then ``t.mark_ready()``."""
+    def _on_ready(self, i: int) -> None:
+        """Tensor ``i``'s gradient is final in this backward (its hook's last firing, see :mod:`.ready_counts`):
+        make its effective tensor final (its bucket's view: what is communicated is never stale), then
+        ``self._mark_ready(i)``."""
         raise NotImplementedError
 
-    def _launch(self, bucket: Bucket) -> None:
-        """A complete bucket (in list order): communicate it on the communication thread."""
-        self._submit(self.buckets.index(bucket), bucket.buffer, lambda: self._prepare(bucket))
-
-    def _prepare(self, bucket: Bucket) -> None:
-        """On the communication thread, before the bucket's collective: move back any recreated tensor
-        (overlapped with the rest of backward), so a stale value is never communicated."""
-        bucket.ensure_flattened()
+    def _mark_ready(self, i: int) -> None:
+        """Launch the buckets tensor ``i`` completes (with the complete buckets after them, in list order)."""
+        for k in self._ready.ready(i):
+            slot = self.slots[k]
+            self._worker.submit(slot.what, functools.partial(self._reduce, slot, slot.bucket.buffer), slot.bucket)
 
     def _before_wait(self) -> None:
         """End of backward, before waiting: tensors no rank made ready are marked here (find_unused)."""
         if self.find_unused:
-            for t in self._dispatcher.unready_tensors():
-                self._on_ready(t)
+            for i in self._ready.unready():
+                self._on_ready(i)
 
     def _after_wait(self) -> None:
         """End of backward, after every bucket is communicated."""
@@ -144,27 +166,25 @@ class BackwardEngine(BucketedEngine):
     def _finish(self) -> None:
         try:
             try:
-                final = self._counts.end()
+                final = self._ready.end()
             except BaguaXError:  # a gradient never final, on every rank: end what was launched first
                 self._worker.wait()
                 raise
-            for t in final:  # the first static-graph backward: reduced at its end, as in DDP
-                self._on_ready(t)
+            for i in final:  # the first static-graph backward: reduced at its end, as in DDP
+                self._on_ready(i)
             self._before_wait()
             self._worker.wait()
-            self._dispatcher.check_all_dispatched()
+            self._ready.check_all_launched()
             self._after_wait()
         finally:
-            self._dispatcher.reset()
-            self._counts.reset()
+            self._ready.reset()
 
     def settle(self) -> None:
         """Before a forward: end the communication of a backward that raised before its end-of-backward
         callback; raise a timeout the communication thread found since the last backward."""
         if self._hooks.queued:
             self._hooks.abandon()
-            self._dispatcher.reset()
-            self._counts.reset()
+            self._ready.reset()
             self._worker.wait()  # let buckets already launched finish, so collectives stay paired
         self._worker.check()
 

@@ -76,25 +76,28 @@ def build_buckets(tensors: Sequence[RegisteredTensor], algorithm: Algorithm, wor
     return [make(f"{prefix}{i}", [tensors[j] for j in idx], alignment) for i, idx in enumerate(plan)]
 
 
-def state_dict_of(buckets: Sequence[Bucket], states: Sequence[dict]) -> dict:
-    """Per-bucket algorithm state, copied (so later steps do not change it)."""
-    return {b.name: {k: _copy(v) for k, v in s.items()} for b, s in zip(buckets, states)}
+def state_dict_of(slots: Sequence) -> dict:
+    """Per-bucket algorithm state of the engine's slots (``.bucket``, ``.state``), copied (so later steps
+    do not change it)."""
+    return {s.bucket.name: {k: _copy(v) for k, v in s.state.items()} for s in slots}
 
 
-def load_states(buckets: Sequence[Bucket], states: list[dict], saved: dict) -> None:
-    names = [b.name for b in buckets]
+def load_states(slots: Sequence, saved: dict) -> None:
+    """Each slot's state from ``saved`` (copied), checked to be of the same buckets and algorithm."""
+    names = [s.bucket.name for s in slots]
     if sorted(saved) != sorted(names):
         raise BaguaXError(
             f"algorithm state has buckets {sorted(saved)}, but this wrapper has {names}; "
             "load a state saved from the same model, algorithm and bucket_cap_mb"
         )
-    for i, b in enumerate(buckets):
-        if sorted(saved[b.name]) != sorted(states[i]):
+    for s in slots:
+        if sorted(saved[s.bucket.name]) != sorted(s.state):
             raise BaguaXError(
-                f"algorithm state of bucket {b.name!r} has entries {sorted(saved[b.name])}, "
-                f"expected {sorted(states[i])}; it was saved with a different algorithm"
+                f"algorithm state of bucket {s.bucket.name!r} has entries {sorted(saved[s.bucket.name])}, "
+                f"expected {sorted(s.state)}; it was saved with a different algorithm"
             )
-        states[i] = {k: _copy(v) for k, v in saved[b.name].items()}
+    for s in slots:
+        s.state = {k: _copy(v) for k, v in saved[s.bucket.name].items()}
 
 
 def _copy(v):

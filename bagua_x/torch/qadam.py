@@ -28,7 +28,7 @@ import torch
 from ..algorithms import GradientAllReduce, QAdam
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
-from ..core.tensor import RegisteredTensor, TensorRegistry
+from ..core.tensor import TensorRegistry
 from .bucketed import BackwardEngine
 from .buckets import build_buckets
 from .communicator import TorchCommunicator
@@ -201,15 +201,18 @@ class MomentumBuckets(BackwardEngine):
             b.flatten()
         super().__init__(tensors, algorithm, comm, options, "bagua_x-momentum-comm")
         self.optimizer = optimizer
-        self._set_buckets(buckets, [{} for _ in buckets])  # QAdam.reduce keeps no state: the optimizer has it
+        self._set_slots(self._slots(buckets, [{} for _ in buckets]))  # QAdam.reduce keeps no state: the optimizer has it
 
     @torch.no_grad()
-    def _on_ready(self, t: RegisteredTensor) -> None:
+    def _on_ready(self, i: int) -> None:
+        t = self._tensors[i]
         p = t.proxy
         group = self._groups[id(p)]
+        if not t.is_view_of(t.bucket.buffer, t.offset, t.bucket.itemsize):
+            t.bucket.ensure_flattened()  # a reloaded exp_avg: copied into the bucket once, its view installed
         m = t.effective()
         beta1 = group["betas"][0]
         m.mul_(beta1)  # in place, as the optimizer's warmup step: no temporaries on the backward's critical path
         if p.grad is not None:  # an unused parameter keeps decaying its momentum with a zero gradient
             m.add_(self.optimizer.decayed_grad(p, group), alpha=1 - beta1)
-        t.mark_ready()
+        self._mark_ready(i)
