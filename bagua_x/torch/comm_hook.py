@@ -36,14 +36,21 @@ current, so DDP's stream waits for the reduction without a host sync.  The threa
 (made from DDP's ranks), so its collectives never interleave with the ones DDP
 issues itself (buffer broadcasts, the unused-parameter map).
 
+Bounds, ``timeout`` seconds (as ``wrap(timeout=...)``; default the process
+group's): a collective still running on the device past its deadline (NCCL
+returns at once, so the thread polls an event recorded after it) breaks the
+thread: every later bucket is skipped there and fails its future with the
+report, which DDP raises at the end of that backward.
+
 Only gradient algorithms (``target`` GRAD, ``phase`` AFTER_BACKWARD: GradientAllReduce,
 ByteGrad, PowerSGD) fit in a hook: weight and momentum algorithms act on parameters or
 optimizer state after the step, which DDP never hands to a hook; use
 :func:`bagua_x.torch.wrap` for those.
 """
 
+import datetime
 import logging
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -56,6 +63,7 @@ from . import streams
 from .bucketed import reduce_in_place
 from .communicator import TorchCommunicator
 from .runtime import CommWorker
+from .watchdog import resolve_timeout
 
 __all__ = ["CommHookState", "comm_hook"]
 
@@ -89,16 +97,20 @@ class CommHookState:
 
     Collective: create it on every rank, after ``init_process_group`` and with
     the same ``process_group`` as the DDP model (``None``: the default group).
+    ``timeout`` (seconds or a timedelta; default the group's own) bounds each
+    bucket's collective on the device (see the module docstring).
     """
 
-    def __init__(self, algorithm: Algorithm, process_group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, algorithm: Algorithm, process_group: Optional[dist.ProcessGroup] = None,
+                 timeout: Union[None, float, datetime.timedelta] = None):
         _check_fits_a_hook(algorithm)
         if not dist.is_initialized():
             raise BaguaXError("CommHookState needs torch.distributed: call torch.distributed.init_process_group() "
                               "first (the same group DDP uses)")
         self.algorithm = algorithm
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-        self.comm = TorchCommunicator(dist.new_group(ranks, backend=dist.get_backend(process_group)))
+        self.comm = TorchCommunicator(dist.new_group(ranks, backend=dist.get_backend(process_group)),
+                                      timeout=resolve_timeout(timeout, process_group))
         #: DDP bucket index -> (its parameters' positions, its layout, its algorithm state)
         self.buckets: "dict[int, tuple[tuple[int, ...], BucketLayout, dict]]" = {}
         #: parameter position -> its state while in no bucket (loaded, or left behind by DDP's regrouping)
@@ -111,11 +123,12 @@ class CommHookState:
         """Queue ``bucket`` on the communication thread; the future gets its reduced buffer."""
         index, buffer = bucket.index(), bucket.buffer()
         if self._worker is None:
-            self._worker = CommWorker("bagua_x-comm-hook", buffer.device)
+            self._worker = CommWorker("bagua_x-comm-hook", buffer.device, self.comm.timeout)
         fut = streams.future(buffer.device)
         layout = bucket_layout(bucket, self.algorithm.alignment(self.comm.size))
         keys = self._keys(bucket)
-        self._worker.submit(f"DDP bucket {index}", lambda: self._reduce(index, keys, buffer, layout, fut))
+        self._worker.submit(f"DDP bucket {index}", lambda: self._reduce(index, keys, buffer, layout, fut),
+                            skipped=fut.set_exception)
         return fut
 
     def _keys(self, bucket: dist.GradBucket) -> "tuple[int, ...]":

@@ -70,13 +70,16 @@ class CommWorker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, what: str, job: Callable[[], None], bucket: Optional[Bucket] = None) -> None:
+    def submit(self, what: str, job: Callable[[], None], bucket: Optional[Bucket] = None,
+               skipped: Optional[Callable[[BaguaXError], None]] = None) -> None:
         """Queue ``job``, to start after the work queued so far on the caller's current stream;
-        ``bucket`` (if any) is what a stall report names."""
+        ``bucket`` (if any) is what a stall report names.  A job the thread skips (after a failure or a
+        missed deadline) is handed to ``skipped`` with the error instead, so a caller waiting on it
+        (a DDP future) hears why."""
         ready = streams.record(streams.current(self._device))
         with self._done:
             self._pending += 1
-        self._jobs.put((what, job, bucket, ready))
+        self._jobs.put((what, job, bucket, ready, skipped))
 
     def _run(self) -> None:
         streams.set_device(self._device)  # the current CUDA device is per thread
@@ -93,10 +96,14 @@ class CommWorker:
                 self._execute(*item)
                 self._check_deadline()
 
-    def _execute(self, what: str, job: Callable[[], None], bucket: Optional[Bucket], ready) -> None:
+    def _execute(self, what: str, job: Callable[[], None], bucket: Optional[Bucket], ready,
+                 skipped: Optional[Callable[[BaguaXError], None]]) -> None:
         self._current = (what, bucket)
         try:
-            if self._error is None and self._stuck is None:  # after a failure, skip the rest of the step here
+            broken = self._error or self._stuck
+            if broken is not None and skipped is not None:
+                skipped(broken)
+            elif broken is None:  # after a failure, skip the rest of the step here
                 if bucket is not None and self._inspector is not None:
                     self._inspector.launched(bucket)
                 launched = time.monotonic()
@@ -130,7 +137,8 @@ class CommWorker:
 
     def _timed_out(self, what: str, bucket: Optional[Bucket], where: str) -> BaguaXError:
         return BaguaXError(
-            f"{what} did not complete within {self._timeout:g} s (wrap(timeout=...)){self._report(bucket, True)}. "
+            f"{what} did not complete within {self._timeout:g} s (the timeout of wrap() or CommHookState)"
+            f"{self._report(bucket, True)}. "
             f"{where}, so this process group cannot be used any more: exit and restart from a "
             "checkpoint (torchrun --max-restarts restarts all ranks)"
         )
