@@ -668,7 +668,7 @@ def wrap_initialises_with_its_timeout():
     import torch.distributed as dist
 
     import bagua_x.torch as bxt
-    from bagua_x.torch.watchdog import resolve_timeout
+    from bagua_x.torch.store import resolve_timeout
 
     assert not dist.is_initialized()
     bxt.wrap(torch.nn.Linear(4, 2), timeout=7.5)

@@ -26,12 +26,12 @@ comes next.
 
 DDP calls the hook from backward, in bucket order, on every rank.  The hook
 only queues the bucket on one communication thread (a
-:class:`~.runtime.CommWorker`: FIFO, so collectives keep that order on every
+:class:`~..runtime.CommWorker`: FIFO, so collectives keep that order on every
 rank) and returns a ``torch.futures.Future`` that the thread completes:
 backward goes on while the algorithm communicates, and DDP waits for the
 futures at the end of backward.  On CUDA the thread runs on a stream of its
 own, after an event recorded on the stream DDP called the hook on, and the
-future is CUDA-aware (:func:`.streams.future`): completed while that stream is
+future is CUDA-aware (:func:`..streams.future`): completed while that stream is
 current, so DDP's stream waits for the reduction without a host sync.  The thread uses its own process group
 (made from DDP's ranks), so its collectives never interleave with the ones DDP
 issues itself (buffer broadcasts, the unused-parameter map).
@@ -55,15 +55,15 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..algorithms.base import Algorithm, Phase, Target
-from ..core.bucket import BucketLayout
-from ..core.comm import Feature
-from ..core.errors import BaguaXError
-from . import streams
-from .bucketed import reduce_in_place
-from .communicator import TorchCommunicator
-from .runtime import CommWorker
-from .watchdog import resolve_timeout
+from ...algorithms.base import Algorithm, Phase, Target
+from ...core.bucket import BucketLayout
+from ...core.comm import Feature
+from ...core.errors import BaguaXError
+from .. import streams
+from ..communicator import TorchCommunicator
+from ..engine.base import reduce_in_place
+from ..runtime import CommWorker
+from ..store import resolve_timeout
 
 __all__ = ["CommHookState", "comm_hook"]
 

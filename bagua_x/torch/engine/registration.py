@@ -12,10 +12,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..algorithms.base import Algorithm, Target
-from ..core.bucket import Bucket, plan_buckets
-from ..core.errors import BaguaXError
-from ..core.tensor import RegisteredTensor, TensorRegistry
+from ...algorithms.base import Algorithm, Target
+from ...core.bucket import Bucket, plan_buckets
+from ...core.errors import BaguaXError
+from ...core.tensor import RegisteredTensor, TensorRegistry
 
 __all__ = ["grad_getter", "grad_setter", "register_parameters", "build_buckets", "state_dict_of", "load_states"]
 

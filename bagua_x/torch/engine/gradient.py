@@ -8,7 +8,7 @@ the same fixed order on every rank) to one communication thread that runs the
 algorithm while backward goes on.  On CUDA the thread's stream first waits
 for an event recorded in the hook on the stream that produced the gradients,
 and at the end of backward the caller's stream waits for the thread's stream
-(:class:`~.runtime.CommWorker`): the optimizer never reads a gradient the
+(:class:`~..runtime.CommWorker`): the optimizer never reads a gradient the
 collective is still writing, and nothing blocks the host.
 
 A gradient recreated since the last step (``zero_grad(set_to_none=True)``, a
@@ -20,8 +20,8 @@ gradient.
 
 Buckets start in reverse registration order; the first synchronised backward
 records the order gradients actually become ready in
-(:class:`~.bucket_order.OrderRecorder`), communicates only at its end, after
-rebuilding the buckets to rank 0's order (:mod:`.bucket_order`).
+(:class:`~.ready_order.OrderRecorder`), communicates only at its end, after
+rebuilding the buckets to rank 0's order (:mod:`.ready_order`).
 
 ``no_sync()`` turns the hooks off: gradients accumulate in place and the next
 synchronised backward communicates their sum.
@@ -34,18 +34,18 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..algorithms.base import Algorithm, Target
-from ..core.bucket import Bucket
-from ..core.comm import ReduceOp
-from ..core.tensor import RegisteredTensor
-from . import streams
-from .bucket_order import ORDER_KEY, OrderRecorder, check_order, ordered
-from .bucketed import BackwardEngine
-from .buckets import build_buckets, register_parameters
-from .checks import check_dense_grad
-from .communicator import TorchCommunicator
-from .distributed import check_same_buckets
-from .engine import EngineOptions
+from ...algorithms.base import Algorithm, Target
+from ...core.bucket import Bucket
+from ...core.comm import ReduceOp
+from ...core.tensor import RegisteredTensor
+from .. import streams
+from ..checks import check_dense_grad
+from ..communicator import TorchCommunicator
+from ..distributed import check_same_buckets
+from .base import BackwardEngine
+from .interface import EngineOptions
+from .ready_order import ORDER_KEY, OrderRecorder, check_order, ordered
+from .registration import build_buckets, register_parameters
 
 __all__ = ["GradientEngine"]
 

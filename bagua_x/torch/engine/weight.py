@@ -17,7 +17,7 @@ re-points ``p.data``), so after-step algorithms work on the weights in place
 per bucket.  Decentralized exchanges a snapshot, so the exchange never races
 with forward and backward reading the parameters.
 
-Streams (:class:`~.runtime.CommWorker`): the exchange runs on the engine's own
+Streams (:class:`~..runtime.CommWorker`): the exchange runs on the engine's own
 stream after an event recorded on the training stream when the weights (or the
 snapshot) were final; the training stream waits for the exchange's stream
 before anything reads the averaged weights (at the end of backward before the
@@ -33,15 +33,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..algorithms.base import Algorithm, Phase, Target
-from ..core.bucket import Bucket
-from ..core.errors import BaguaXError
-from . import streams
-from .bucketed import BucketedEngine
-from .buckets import build_buckets, register_parameters
-from .communicator import TorchCommunicator
-from .engine import EngineOptions
-from .runtime import BackwardHooks
+from ...algorithms.base import Algorithm, Phase, Target
+from ...core.bucket import Bucket
+from ...core.errors import BaguaXError
+from .. import streams
+from ..communicator import TorchCommunicator
+from ..runtime import BackwardHooks
+from .base import BucketedEngine
+from .interface import EngineOptions
+from .registration import build_buckets, register_parameters
 
 __all__ = ["WeightEngine"]
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..core.errors import BaguaXError
+from ...core.errors import BaguaXError
 
 __all__ = ["ReadyCounts"]
 

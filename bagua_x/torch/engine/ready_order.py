@@ -27,10 +27,10 @@ from __future__ import annotations
 import itertools
 from typing import Optional, Sequence
 
-from ..core.errors import BaguaXError
-from ..core.tensor import RegisteredTensor
-from ..core.wire import decode, encode
-from .watchdog import resolve_timeout, store_broadcast
+from ...core.errors import BaguaXError
+from ...core.tensor import RegisteredTensor
+from ...core.wire import decode, encode
+from ..store import resolve_timeout, store_broadcast
 
 __all__ = ["ORDER_KEY", "OrderRecorder", "complete_order", "agree_on_order", "check_order", "ordered"]
 

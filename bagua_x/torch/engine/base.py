@@ -3,14 +3,14 @@
 :class:`BucketedEngine` holds what all of them have: the algorithm, the
 communicator, one :class:`BucketSlot` per bucket (the bucket and its algorithm
 state, one list, no parallel ones), and one communication thread
-(:class:`~.runtime.CommWorker`, whose single thread keeps collectives in the
+(:class:`~..runtime.CommWorker`, whose single thread keeps collectives in the
 same order on every rank, and communicates on a CUDA stream of its own: the
-stream rules live there and in :mod:`.streams`).  It runs a bucket's
+stream rules live there and in :mod:`..streams`).  It runs a bucket's
 ``reduce`` there, saves and loads the per-bucket state, and closes.
 
 :class:`BackwardEngine` adds what engines that communicate *during backward*
 share (gradients; QAdam's momentum): a hook per tensor (registered by
-:class:`~.runtime.BackwardHooks`, called with the tensor's index), one owner
+:class:`~..runtime.BackwardHooks`, called with the tensor's index), one owner
 of readiness (:class:`~.ready_counts.ReadyCounts`: when a gradient is final,
 which buckets may be launched, in list order), the end of backward waits for
 them (until all are launched; then the caller's stream waits for the
@@ -34,17 +34,17 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..algorithms.base import Algorithm
-from ..core.bucket import Bucket
-from ..core.errors import BaguaXError
-from ..core.tensor import RegisteredTensor
-from .buckets import load_states, state_dict_of
-from .checks import check_finite, non_finite_tensors
-from .communicator import TorchCommunicator
-from .engine import EngineOptions
+from ...algorithms.base import Algorithm
+from ...core.bucket import Bucket
+from ...core.errors import BaguaXError
+from ...core.tensor import RegisteredTensor
+from ..checks import check_finite, non_finite_tensors
+from ..communicator import TorchCommunicator
+from ..runtime import BackwardHooks, CommWorker
+from ..stall import StallInspector
+from .interface import EngineOptions
 from .ready_counts import ReadyCounts
-from .runtime import BackwardHooks, CommWorker
-from .stall import StallInspector
+from .registration import load_states, state_dict_of
 
 __all__ = ["BucketSlot", "BucketedEngine", "BackwardEngine", "reduce_in_place"]
 
