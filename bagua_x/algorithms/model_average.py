@@ -52,7 +52,7 @@ class AsyncModelAverage(Algorithm):
 
     :meth:`reduce` is the averaging, ``allreduce_sum(s) / N`` of a snapshot
     ``s`` of a weight bucket.  The schedule is frontend code, and only torch
-    has it (``bagua_x/torch/async_average.py``): its thread snapshots the
+    has it (``bagua_x/torch/engine/background.py``): its thread snapshots the
     weights, runs :meth:`reduce` on its own process group and adds
     ``reduce(s) - s`` to the live weights, keeping the local progress made
     meanwhile.  JAX's weights are immutable, so ``bagua_x.jax.wrap`` refuses this

@@ -28,7 +28,8 @@ What this file holds and what the frontends add:
   torch tensors); ``tests/torch/test_torch_qadam.py`` checks it against the
   same numpy reference as :meth:`QAdam.step`'s tests.
   That re-expression, the warmup's gradient allreduce and the switch to
-  momentum buckets are torch frontend code (``bagua_x/torch/qadam.py``).
+  momentum buckets are torch frontend code (``bagua_x/torch/optim.py``,
+  ``bagua_x/torch/engine/momentum.py``).
 
 ``hierarchical`` (Bagua's option; by default the faster form, timed, on >= 2 nodes of >= 2 ranks):
 both exchanges average inside each node in full precision and only between

@@ -46,17 +46,17 @@ values, naming the tensor.  Bad models (complex or sparse-gradient
 parameters, parameters on several devices) are refused at wrap().
 
 Inside stock DDP: ``ddp.register_comm_hook(CommHookState(ByteGrad()), comm_hook)``
-runs a gradient algorithm as DDP's communication hook (:mod:`bagua_x.torch.comm_hook`).
+runs a gradient algorithm as DDP's communication hook (:mod:`bagua_x.torch.integrations.comm_hook`).
 
 ``bagua_x.torch.enable_bagua_api()`` adds Bagua's tensor methods
-(``ensure_bagua_tensor`` ...) to ``torch.Tensor``; see :mod:`bagua_x.torch.bagua_compat`.
+(``ensure_bagua_tensor`` ...) to ``torch.Tensor``; see :mod:`bagua_x.torch.integrations.bagua_compat`.
 """
 
 from . import kernels
-from .bagua_compat import enable_bagua_api
-from .comm_hook import CommHookState, comm_hook
 from .communicator import TorchCommunicator
-from .qadam import QAdamOptimizer
+from .integrations.bagua_compat import enable_bagua_api
+from .integrations.comm_hook import CommHookState, comm_hook
+from .optim import QAdamOptimizer
 from .wrap import DistributedModel, wrap
 
 kernels.install()

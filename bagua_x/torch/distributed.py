@@ -19,7 +19,7 @@ from ..core.errors import BaguaXError
 from ..core.validation import check_same_everywhere, describe
 from ..core.wire import decode as wire_decode
 from ..core.wire import decode_description, encode
-from .watchdog import resolve_timeout, restart_count, store_allgather
+from .store import resolve_timeout, restart_count, store_allgather
 
 if TYPE_CHECKING:
     from .communicator import TorchCommunicator

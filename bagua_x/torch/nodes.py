@@ -5,7 +5,7 @@ its algorithm's ``hierarchical`` setting and torchrun's ``LOCAL_WORLD_SIZE``.
 Ranks that see them differently call ``new_group`` a different number of
 times or with other ranks, and hang there or fail in gloo much later.  So each
 rank first publishes what it sees through the store (JSON, a bounded wait:
-:func:`~.watchdog.store_allgather`), and every rank raises the same error,
+:func:`~.store.store_allgather`), and every rank raises the same error,
 naming the ranks and their values, when they differ.
 """
 
@@ -23,7 +23,7 @@ from ..algorithms.base import Algorithm, two_level_on
 from ..core.comm import Feature
 from ..core.errors import BaguaXError
 from ..core.wire import decode, encode
-from .watchdog import resolve_timeout, store_allgather
+from .store import resolve_timeout, store_allgather
 
 if TYPE_CHECKING:
     from .communicator import TorchCommunicator

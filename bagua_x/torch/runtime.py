@@ -70,16 +70,20 @@ class CommWorker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, what: str, job: Callable[[], None], bucket: Optional[Bucket] = None) -> None:
+    def submit(self, what: str, job: Callable[[], None], bucket: Optional[Bucket] = None,
+               skipped: Optional[Callable[[BaguaXError], None]] = None) -> None:
         """Queue ``job``, to start after the work queued so far on the caller's current stream;
-        ``bucket`` (if any) is what a stall report names."""
+        ``bucket`` (if any) is what a stall report names.  A job the thread skips (after a failure or a
+        missed deadline) is handed to ``skipped`` with the error instead, so a caller waiting on it
+        (a DDP future) hears why."""
         ready = streams.record(streams.current(self._device))
         with self._done:
             self._pending += 1
-        self._jobs.put((what, job, bucket, ready))
+        self._jobs.put((what, job, bucket, ready, skipped))
 
     def _run(self) -> None:
         streams.set_device(self._device)  # the current CUDA device is per thread
+        torch.set_grad_enabled(False)  # so is grad mode: jobs communicate values, never record a graph
         with streams.use(self.stream):
             while True:
                 try:
@@ -92,10 +96,14 @@ class CommWorker:
                 self._execute(*item)
                 self._check_deadline()
 
-    def _execute(self, what: str, job: Callable[[], None], bucket: Optional[Bucket], ready) -> None:
+    def _execute(self, what: str, job: Callable[[], None], bucket: Optional[Bucket], ready,
+                 skipped: Optional[Callable[[BaguaXError], None]]) -> None:
         self._current = (what, bucket)
         try:
-            if self._error is None and self._stuck is None:  # after a failure, skip the rest of the step here
+            broken = self._error or self._stuck
+            if broken is not None and skipped is not None:
+                skipped(broken)
+            elif broken is None:  # after a failure, skip the rest of the step here
                 if bucket is not None and self._inspector is not None:
                     self._inspector.launched(bucket)
                 launched = time.monotonic()
@@ -129,7 +137,8 @@ class CommWorker:
 
     def _timed_out(self, what: str, bucket: Optional[Bucket], where: str) -> BaguaXError:
         return BaguaXError(
-            f"{what} did not complete within {self._timeout:g} s (wrap(timeout=...)){self._report(bucket, True)}. "
+            f"{what} did not complete within {self._timeout:g} s (the timeout of wrap() or CommHookState)"
+            f"{self._report(bucket, True)}. "
             f"{where}, so this process group cannot be used any more: exit and restart from a "
             "checkpoint (torchrun --max-restarts restarts all ranks)"
         )
@@ -162,25 +171,28 @@ class CommWorker:
 
 
 class BackwardHooks:
-    """``on_ready(t)`` from each parameter's post-accumulate-grad hook, then ``on_end()`` once per backward.
+    """``on_hook(i, param)`` from tensor ``i``'s post-accumulate-grad hook, then ``on_end()`` once per backward.
 
-    ``on_end`` runs after the whole backward, before ``loss.backward()``
-    returns: it is queued on the autograd engine's graph task when backward
-    reaches the forward's outputs (:meth:`watch`), or else at the first hook.
-    The outputs come first because a hook may fire inside a nested backward
-    (reentrant activation checkpointing), whose end is not the end of
-    backward.  It runs only if a hook fired (a backward that reaches the
-    outputs but no parameter, e.g. a gradient of the input, is not a step).
-    ``active()`` is checked at each hook: inside ``no_sync()`` nothing happens.
+    ``on_hook`` itself is the registered hook (no frame in between: it runs
+    once per parameter per step); when it takes part in a step it calls
+    :meth:`arm`.  ``on_end`` runs after the whole backward, before
+    ``loss.backward()`` returns: it is queued on the autograd engine's graph
+    task when backward reaches the forward's outputs (:meth:`watch`), or else
+    at the first :meth:`arm`.  The outputs come first because a hook may fire
+    inside a nested backward (reentrant activation checkpointing), whose end
+    is not the end of backward.  It runs only if a hook armed it (a backward
+    that reaches the outputs but no parameter, e.g. a gradient of the input,
+    is not a step).  ``active()`` is checked when the outputs are reached:
+    inside ``no_sync()`` nothing is queued.
     """
 
-    def __init__(self, tensors: Sequence[RegisteredTensor], on_ready: Callable[[RegisteredTensor], None],
+    def __init__(self, tensors: Sequence[RegisteredTensor], on_hook: Callable[[int, torch.Tensor], None],
                  on_end: Callable[[], None], active: Callable[[], bool]):
-        self._on_ready, self._on_end, self._active = on_ready, on_end, active
+        self._on_end, self._active = on_end, active
         self.queued = False
         self._fired = False
         self._handles = [
-            t.proxy.register_post_accumulate_grad_hook(functools.partial(self._hook, t)) for t in tensors
+            t.proxy.register_post_accumulate_grad_hook(functools.partial(on_hook, i)) for i, t in enumerate(tensors)
         ]
 
     def watch(self, outputs) -> None:
@@ -195,12 +207,12 @@ class BackwardHooks:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
-    def _hook(self, tensor: RegisteredTensor, _param) -> None:
-        if not self._active():
-            return
-        self._queue_end()
+    def arm(self) -> None:
+        """A hook took part in this backward: ``on_end`` runs at its end."""
         self._fired = True
-        self._on_ready(tensor)
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
     def _end(self) -> None:
         fired, self.queued, self._fired = self._fired, False, False

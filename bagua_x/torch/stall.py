@@ -47,7 +47,7 @@ import torch.distributed.distributed_c10d as c10d
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from ..core.wire import decode, encode
-from .watchdog import restart_count
+from .store import restart_count
 
 __all__ = ["StallInspector", "ANSWER_SECONDS"]
 

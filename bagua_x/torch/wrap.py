@@ -21,19 +21,20 @@ from ..algorithms.base import Algorithm, Phase, Target
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
 from . import kernels
-from .async_average import AsyncAverageEngine
 from .checks import input_problem
 from .communicator import TorchCommunicator
-from .ddp_args import check_ddp_arguments
 from .distributed import (broadcast_tensors, check_one_gpu_per_rank, check_same_model, ensure_initialized,
                           model_device)
-from .engine import Engine, EngineOptions
-from .grad_sync import GradientEngine
+from .engine.background import AsyncAverageEngine
+from .engine.gradient import GradientEngine
+from .engine.interface import Engine, EngineOptions
+from .engine.momentum import MomentumEngine
+from .engine.weight import WeightEngine
+from .integrations.ddp_args import check_ddp_arguments
 from .node_form import NodeForm
 from .nodes import declared_setting
-from .qadam import MomentumEngine, QAdamOptimizer
-from .watchdog import resolve_timeout
-from .weight_sync import WeightEngine
+from .optim import QAdamOptimizer
+from .store import resolve_timeout
 
 __all__ = ["wrap", "DistributedModel"]
 

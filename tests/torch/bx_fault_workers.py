@@ -195,7 +195,7 @@ def crafted_pickle_refused(marker):
     from bagua_x.core.errors import BaguaXError
     from bagua_x.torch.distributed import allgather_bytes, check_same_buckets
     from bagua_x.torch.nodes import agree_on_nodes
-    from bagua_x.torch.watchdog import restart_count
+    from bagua_x.torch.store import restart_count
 
     rank, _ = _init()
     payload = pickle.dumps(_Planted(marker))
@@ -280,7 +280,7 @@ def store_host_gone_before_inspector():
 
     from bagua_x.algorithms.base import Target
     from bagua_x.core.bucket import Bucket
-    from bagua_x.torch.buckets import register_parameters
+    from bagua_x.torch.engine.registration import register_parameters
     from bagua_x.torch.stall import StallInspector
 
     rank, _ = _init()

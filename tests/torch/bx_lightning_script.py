@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from bagua_x import algorithms
 from bagua_x.apps.data import load_digits_split
 from bagua_x.torch import QAdamOptimizer, TorchCommunicator
-from bagua_x.torch.lightning import BaguaXStrategy, rank_file
+from bagua_x.torch.integrations.lightning import BaguaXStrategy, rank_file
 
 CALLS = collections.Counter()  # collectives run, per communicator (id)
 _wait = TorchCommunicator._wait

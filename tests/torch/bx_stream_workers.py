@@ -97,3 +97,31 @@ def device_deadline(timeout=3.0, seconds=12.0):
             time.sleep(4)
         return {"type": type(e).__name__, "message": str(e), "seconds": elapsed}
     return {"type": None, "seconds": time.monotonic() - start}
+
+
+def hook_deadline(timeout=3.0):
+    """A DDP comm hook whose completion events never finish (as ``device_deadline``): one step, a wait past
+    the deadline (the hook's thread polls the event while idle), then the next backward, which raises the
+    report through its buckets' futures."""
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x import algorithms
+    from bagua_x.torch import streams
+
+    rank = _init()
+    model = _model()
+    state = bxt.CommHookState(algorithms.GradientAllReduce(), timeout=timeout)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(state, bxt.comm_hook)
+    streams.record = lambda stream: (streams._trace("record", stream), NeverDone())[1]
+    ddp(torch.randn(8, 16)).square().sum().backward()
+    start = time.monotonic()
+    time.sleep(timeout + 1)
+    try:
+        ddp(torch.randn(8, 16)).square().sum().backward()
+    except Exception as e:  # noqa: BLE001 -- the test checks the message (DDP may wrap the hook's error)
+        if rank == 0:  # rank 0 hosts the store: stay until rank 1 has its report too
+            time.sleep(4)
+        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    return {"type": None, "seconds": time.monotonic() - start}

@@ -237,7 +237,7 @@ def test_ranks_sharing_a_gpu_are_named_with_the_fix():
 @multirank(nproc=2, timeout=60, init_process_group=False)
 def test_wrap_gives_the_process_group_it_initialises_its_timeout():
     # the group's own waits (NCCL's watchdog, gloo's collectives) then end when wrap's do, not after 10-30 min
-    from bagua_x.torch.watchdog import resolve_timeout
+    from bagua_x.torch.store import resolve_timeout
 
     assert not dist.is_initialized()
     bxt.wrap(torch.nn.Linear(4, 2), timeout=7.5)

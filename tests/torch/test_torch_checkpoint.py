@@ -49,21 +49,22 @@ def test_saved_bucket_state_loads_as_its_type_and_a_misfit_is_refused_by_name():
 
     from bagua_x.algorithms import PowerSGDState
     from bagua_x.core import BaguaXError
-    from bagua_x.torch.buckets import load_states, state_dict_of
+    from bagua_x.torch.engine.registration import load_states, state_dict_of
 
-    buckets = [SimpleNamespace(name="bucket_0")]
+    bucket = SimpleNamespace(name="bucket_0")
     live = PowerSGDState(step=torch.tensor(3, dtype=torch.int32), q=torch.ones(2), error=torch.zeros(4))
-    saved = state_dict_of(buckets, [live])
+    saved = state_dict_of([SimpleNamespace(bucket=bucket, state=live)])
     assert list(saved) == ["bucket_0"] and list(saved["bucket_0"]) == ["step", "q", "error"]  # the form on disk
     assert all(torch.equal(saved["bucket_0"][k], v) for k, v in live._asdict().items())
     assert saved["bucket_0"]["q"] is not live.q  # a copy
-    states = [PowerSGDState(step=torch.tensor(0, dtype=torch.int32), q=torch.zeros(2), error=torch.ones(4))]
-    load_states(buckets, states, {"bucket_0": {"step": torch.tensor(5, dtype=torch.int32), "q": torch.full((2,), 2.0),
+    slot = SimpleNamespace(bucket=bucket, state=PowerSGDState(step=torch.tensor(0, dtype=torch.int32),
+                                                              q=torch.zeros(2), error=torch.ones(4)))
+    load_states([slot], {"bucket_0": {"step": torch.tensor(5, dtype=torch.int32), "q": torch.full((2,), 2.0),
                                                "error": torch.full((4,), 3.0)}})
-    assert type(states[0]) is PowerSGDState and int(states[0].step) == 5
-    assert states[0].q.tolist() == [2.0, 2.0] and states[0].error.tolist() == [3.0] * 4
+    assert type(slot.state) is PowerSGDState and int(slot.state.step) == 5
+    assert slot.state.q.tolist() == [2.0, 2.0] and slot.state.error.tolist() == [3.0] * 4
     misspelt = {"bucket_0": {"step": live.step, "q": live.q, "eror": live.error}}
     with pytest.raises(BaguaXError, match=r"state of bucket 'bucket_0' does not fit PowerSGDState .*missing "
                                           r"\['error'\], unknown \['eror'\]"):
-        load_states(buckets, states, misspelt)
-    assert int(states[0].step) == 5  # untouched by the refused load
+        load_states([slot], misspelt)
+    assert int(slot.state.step) == 5  # untouched by the refused load

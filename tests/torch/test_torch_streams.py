@@ -74,3 +74,14 @@ def test_collective_past_its_deadline_on_the_device_is_reported():
         assert "grad_bucket_0 did not complete within 3 s" in message, message
         assert "still running on the device" in message, message
         assert "'0.weight'" in message, message  # the report names the bucket's tensors
+
+
+def test_comm_hook_collective_past_its_deadline_on_the_device_is_reported():
+    """The DDP hook has the same bound: its thread finds the collective still running on the device after
+    `timeout`, and the next backward raises the report (the future of each later bucket fails with it)."""
+    timeout = 3.0
+    for out in run_workers("bx_stream_workers:hook_deadline", nproc=2, timeout=120, env=ENV, args=(timeout,)):
+        message = out["message"]
+        assert out["type"] is not None, out
+        assert "DDP bucket 0 did not complete within 3 s" in message, message
+        assert "still running on the device" in message, message

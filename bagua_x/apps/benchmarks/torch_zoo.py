@@ -10,7 +10,7 @@
   BatchNorm buffers broadcast before every forward.
 
 In all three, gradients become ready in reverse registration order up to a layer's weight
-and bias swapping places, so rebuilding buckets in ready order (bagua_x.torch.bucket_order,
+and bias swapping places, so rebuilding buckets in ready order (bagua_x.torch.engine.ready_order,
 DDP's rebuild) moves no tensor to another bucket here; tests/torch/test_torch_bucket_order.py
 has a model where it does.
 

@@ -19,7 +19,7 @@ them on every rank.
 On CUDA the thread sets the model's device and runs on a stream of its own.
 The weight lock orders the threads on the host; on the GPU each side, on
 taking the lock, makes its stream wait for an event the other side recorded
-when it let go (:mod:`.streams`), so a snapshot never reads weights the
+when it let go (:mod:`..streams`), so a snapshot never reads weights the
 optimizer's kernels are still writing and a forward never reads weights the
 averaging kernels are still writing.  The stop flag lives on the weights'
 device (an NCCL group has no CPU tensors).
@@ -41,17 +41,17 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..algorithms.allreduce import GradientAllReduce
-from ..algorithms.base import EmptyState, Target
-from ..algorithms.model_average import AsyncModelAverage
-from ..core.bucket import Bucket
-from ..core.comm import ReduceOp
-from ..core.errors import BaguaXError
-from . import streams
-from .buckets import build_buckets, register_parameters
-from .communicator import TorchCommunicator
-from .engine import EngineOptions
-from .grad_sync import GradientEngine
+from ...algorithms.allreduce import GradientAllReduce
+from ...algorithms.base import EmptyState, Target
+from ...algorithms.model_average import AsyncModelAverage
+from ...core.bucket import Bucket
+from ...core.comm import ReduceOp
+from ...core.errors import BaguaXError
+from .. import streams
+from ..communicator import TorchCommunicator
+from .gradient import GradientEngine
+from .interface import EngineOptions
+from .registration import build_buckets, register_parameters
 
 __all__ = ["AsyncAverageEngine"]
 

@@ -3,7 +3,7 @@
 The one-line change from Lightning's DDP::
 
     from bagua_x.algorithms import ByteGrad
-    from bagua_x.torch.lightning import BaguaXStrategy
+    from bagua_x.torch.integrations.lightning import BaguaXStrategy
 
     trainer = lightning.Trainer(strategy=BaguaXStrategy(algorithm=ByteGrad()), accelerator="cpu", devices=2)
 
@@ -58,9 +58,9 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..algorithms.base import Algorithm, Target
-from ..core.errors import BaguaXError
-from .wrap import DistributedModel, wrap
+from ...algorithms.base import Algorithm, Target
+from ...core.errors import BaguaXError
+from ..wrap import DistributedModel, wrap
 
 __all__ = ["BaguaXStrategy", "rank_file"]
 

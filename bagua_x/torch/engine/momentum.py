@@ -1,4 +1,4 @@
-"""QAdam for torch: ``QAdamOptimizer`` and the engine that communicates its momentum.
+"""QAdam for torch: the engine that communicates the momentum of :class:`~..optim.QAdamOptimizer`.
 
 During warmup QAdam is Adam on allreduce-averaged gradients, so the engine is
 the ordinary gradient engine.  Once warmup ends (the same step on every rank)
@@ -21,85 +21,25 @@ into its bucket at the next communication.
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 
-from ..algorithms import EmptyState, GradientAllReduce, QAdam
-from ..core.bucket import Bucket
-from ..core.errors import BaguaXError
-from ..core.tensor import RegisteredTensor, TensorRegistry
-from .bucketed import BackwardEngine
-from .buckets import build_buckets
-from .communicator import TorchCommunicator
-from .distributed import check_same_buckets
-from .engine import EngineOptions
-from .grad_sync import GradientEngine
+from ...algorithms import EmptyState, GradientAllReduce, QAdam
+from ...core.bucket import Bucket
+from ...core.errors import BaguaXError
+from ...core.tensor import TensorRegistry
+from ..communicator import TorchCommunicator
+from ..distributed import check_same_buckets
+from ..optim import QAdamOptimizer
+from .base import BackwardEngine
+from .gradient import GradientEngine
+from .interface import EngineOptions
+from .registration import build_buckets
 
-__all__ = ["QAdamOptimizer", "MomentumEngine", "MomentumBuckets"]
+__all__ = ["MomentumEngine", "MomentumBuckets"]
 
 log = logging.getLogger(__name__)
-
-
-class QAdamOptimizer(torch.optim.Optimizer):
-    """Adam whose momentum bagua_x communicates (8-bit) after ``warmup_steps``; use with ``wrap()``."""
-
-    def __init__(self, params: Iterable, lr: float = 1e-3, warmup_steps: int = 100,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 hierarchical: Optional[bool] = None):
-        self.algorithm = QAdam(lr=lr, warmup_steps=warmup_steps, betas=tuple(betas), eps=eps,
-                               weight_decay=weight_decay, hierarchical=hierarchical)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.step_id = 0  # completed steps
-        for group in self.param_groups:
-            for p in group["params"]:
-                self.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                self.state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-    def state_dict(self):
-        return {**super().state_dict(), "step_id": self.step_id}
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        self.step_id = int(state_dict.pop("step_id", 0))
-        super().load_state_dict(state_dict)
-
-    @property
-    def in_warmup(self) -> bool:
-        """Whether the coming step communicates gradients (else momentum)."""
-        return self.algorithm.is_warmup(self.step_id + 1)
-
-    def decayed_grad(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        g = p.grad
-        return g + group["weight_decay"] * p.detach() if group["weight_decay"] else g
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Adam's update (the formula of :func:`~bagua_x.algorithms.qadam.adam_direction`) with torch's
-        multi-tensor ops, in place: the Array API form's per-tensor passes made the step several times
-        slower (measured on the docs' Performance page)."""
-        loss = closure() if closure is not None else None
-        warmup = self.in_warmup
-        self.step_id += 1
-        t = self.step_id
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            ms = [self.state[p]["exp_avg"] for p in params]  # in place: the state tensors may be bucket views
-            vs = [self.state[p]["exp_avg_sq"] for p in params]
-            if warmup:  # grads are already averaged: plain Adam
-                gs = [self.decayed_grad(p, group) for p in params]
-                torch._foreach_mul_(ms, beta1)
-                torch._foreach_add_(ms, gs, alpha=1 - beta1)
-                torch._foreach_mul_(vs, beta2)
-                torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
-            denom = torch._foreach_sqrt(vs)
-            torch._foreach_div_(denom, (1 - beta2**t) ** 0.5)
-            torch._foreach_add_(denom, group["eps"])
-            torch._foreach_addcdiv_(params, ms, denom, value=-group["lr"] / (1 - beta1**t))
-        return loss
 
 
 class MomentumEngine:
@@ -202,15 +142,18 @@ class MomentumBuckets(BackwardEngine):
             b.flatten()
         super().__init__(tensors, algorithm, comm, options, "bagua_x-momentum-comm")
         self.optimizer = optimizer
-        self._set_buckets(buckets, [EmptyState() for _ in buckets])  # QAdam.reduce keeps no state: the optimizer has it
+        self._set_slots(self._slots(buckets, [EmptyState() for _ in buckets]))  # QAdam.reduce keeps no state: the optimizer has it
 
     @torch.no_grad()
-    def _on_ready(self, t: RegisteredTensor) -> None:
+    def _on_ready(self, i: int) -> None:
+        t = self._tensors[i]
         p = t.proxy
         group = self._groups[id(p)]
+        if not t.is_view_of(t.bucket.buffer, t.offset, t.bucket.itemsize):
+            t.bucket.ensure_flattened()  # a reloaded exp_avg: copied into the bucket once, its view installed
         m = t.effective()
         beta1 = group["betas"][0]
         m.mul_(beta1)  # in place, as the optimizer's warmup step: no temporaries on the backward's critical path
         if p.grad is not None:  # an unused parameter keeps decaying its momentum with a zero gradient
             m.add_(self.optimizer.decayed_grad(p, group), alpha=1 - beta1)
-        t.mark_ready()
+        self._mark_ready(i)

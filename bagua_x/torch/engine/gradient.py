@@ -8,19 +8,20 @@ the same fixed order on every rank) to one communication thread that runs the
 algorithm while backward goes on.  On CUDA the thread's stream first waits
 for an event recorded in the hook on the stream that produced the gradients,
 and at the end of backward the caller's stream waits for the thread's stream
-(:class:`~.runtime.CommWorker`): the optimizer never reads a gradient the
+(:class:`~..runtime.CommWorker`): the optimizer never reads a gradient the
 collective is still writing, and nothing blocks the host.
 
 A gradient recreated since the last step (``zero_grad(set_to_none=True)``, a
-user assigning ``p.grad``) is no longer a view: its hook copies it into the
-buffer once and installs the view again (while backward continues, instead of
-delaying the bucket's communication), and the communication thread's
-``ensure_flattened`` re-checks the whole bucket, so a stale value is never
-communicated and ``p.grad`` always ends as the reduced gradient.
+user assigning ``p.grad``) is no longer a view: its hook, the one place that
+checks, copies it into the buffer once and installs the view again (while
+backward continues, instead of delaying the bucket's communication), so a
+stale value is never communicated and ``p.grad`` always ends as the reduced
+gradient.
 
 Buckets start in reverse registration order; the first synchronised backward
-records the order gradients actually become ready in, communicates only at
-its end, after rebuilding the buckets to rank 0's order (:mod:`.bucket_order`).
+records the order gradients actually become ready in
+(:class:`~.ready_order.OrderRecorder`), communicates only at its end, after
+rebuilding the buckets to rank 0's order (:mod:`.ready_order`).
 
 ``no_sync()`` turns the hooks off: gradients accumulate in place and the next
 synchronised backward communicates their sum.
@@ -33,18 +34,18 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..algorithms.base import Algorithm, Target
-from ..core.bucket import Bucket
-from ..core.comm import ReduceOp
-from ..core.tensor import RegisteredTensor
-from . import streams
-from .bucket_order import ORDER_KEY, agree_on_order, check_order, complete_order, ordered
-from .bucketed import BackwardEngine
-from .buckets import build_buckets, register_parameters
-from .checks import check_dense_grad
-from .communicator import TorchCommunicator
-from .distributed import check_same_buckets
-from .engine import EngineOptions
+from ...algorithms.base import Algorithm, Target
+from ...core.bucket import Bucket
+from ...core.comm import ReduceOp
+from ...core.tensor import RegisteredTensor
+from .. import streams
+from ..checks import check_dense_grad
+from ..communicator import TorchCommunicator
+from ..distributed import check_same_buckets
+from .base import BackwardEngine
+from .interface import EngineOptions
+from .ready_order import ORDER_KEY, OrderRecorder, check_order, ordered
+from .registration import build_buckets, register_parameters
 
 __all__ = ["GradientEngine"]
 
@@ -75,11 +76,10 @@ class GradientEngine(BackwardEngine):
         tensors = register_parameters(named_params, Target.GRAD)
         super().__init__(tensors, algorithm, comm, options, "bagua_x-grad-comm")
         self._cap = options.bucket_cap_mb
-        self._index = {t.name: i for i, t in enumerate(tensors)}
-        # names in ready order during the first synchronised backward; None once the buckets follow it
-        self._recorded: Optional[list[str]] = []
+        self._recorder = OrderRecorder()
         self._order: Optional[list[str]] = None  # the rebuilt buckets' order (None: registration order)
         self._without_grad: Optional[torch.Tensor] = None
+        self._views: list[torch.Tensor] = []  # by tensor index: its place in its bucket, as a tensor of its shape
         self._build(tensors)
 
     def _plan(self, tensors: Sequence[RegisteredTensor]) -> list[list[str]]:
@@ -94,7 +94,7 @@ class GradientEngine(BackwardEngine):
         holds the gradients once plus one bucket, not in two full sets of buffers.  The cached
         views go first: each one keeps its old buffer alive.
         """
-        self._views = {}
+        self._views = []
         for bucket in self.buckets:
             for t in bucket.tensors:
                 if t.proxy.grad is not None:
@@ -102,24 +102,26 @@ class GradientEngine(BackwardEngine):
             bucket.buffer = None
         buckets = build_buckets(tensors, self.algorithm, self.comm.size, self._cap, "grad_bucket_",
                                 make=_grad_bucket)
-        self._set_buckets(buckets, [self.algorithm.init(b.buffer, b.layout, self.comm.size) for b in buckets])
-        # each gradient's place in its bucket, as a tensor of its shape: the hooks' fast path compares identity
-        self._views = {t.name: t.bucket.buffer[t.offset:t.offset + t.proxy.numel()].view(t.proxy.shape)
-                       for t in tensors}
+        self._set_slots(self._slots(buckets, [self.algorithm.init(b.buffer, b.layout, self.comm.size)
+                                              for b in buckets]))
+        # the hooks' fast path compares identity with these
+        self._views = [t.bucket.buffer[t.offset:t.offset + t.proxy.numel()].view(t.proxy.shape)
+                       for t in self._tensors]
         log.info("bagua_x: %s on %d gradient buckets %s", type(self.algorithm).__name__, len(self.buckets),
                  self.buckets)
 
-    def _on_ready(self, t: RegisteredTensor) -> None:
+    def _on_ready(self, i: int) -> None:
         """A gradient is final: re-swap it now if it was recreated (its one copy overlaps the rest of
         backward instead of delaying its bucket's communication), then mark it ready.
 
         This runs once per parameter per step on the training thread, so the usual cases stay
         in a few tensor calls: the gradient is its bucket view (kept gradients), or a new dense
         one of the same shape and dtype (``zero_grad(set_to_none=True)``), copied into the view.
+        While the first backward is recorded, buckets are only counted (every gradient must come):
+        they are communicated after the rebuild.
         """
-        if self._recorded is not None:
-            self._recorded.append(t.name)
-        grad, view = t.proxy.grad, self._views[t.name]
+        t = self._tensors[i]
+        grad, view = t.proxy.grad, self._views[i]
         if grad is not view:
             if (grad is not None and grad.layout is torch.strided and grad.dtype == view.dtype
                     and grad.shape == view.shape):
@@ -130,26 +132,21 @@ class GradientEngine(BackwardEngine):
                 check_dense_grad(t.name, grad)
                 t.ensure_grad()  # autograd may leave p.grad None (no gradient flowed); communicate zeros then
                 t.set_registered_storage(t.bucket.buffer, t.offset)
-        t.mark_ready()
-
-    def _launch(self, bucket: Bucket) -> None:
-        if self._recorded is None:  # first backward: its buckets are communicated after the rebuild
-            super()._launch(bucket)
-
-    def _prepare(self, bucket: Bucket) -> None:
-        if any(t.proxy.grad is not self._views[t.name] for t in bucket.tensors):
-            bucket.ensure_flattened()  # a gradient replaced after its hook: never communicate a stale value
+        if self._recorder.recording:
+            self._recorder.record(t.name)
+            self._ready.ready(i)
+        else:
+            self._mark_ready(i)
 
     def _before_wait(self) -> None:
         """Handle unused parameters; after the first backward, rebuild the buckets and launch them all."""
         self._without_grad = self._mark_unused() if self.find_unused else None
-        if self._recorded is not None:
-            self._dispatcher.check_all_dispatched()
-            mine = complete_order(self._recorded, self._tensors)
-            self._rebuild(agree_on_order(mine, self.comm, self._tensors))
-            self._dispatcher.reset()  # buckets kept by the rebuild were dispatched (not launched) while recording
-            for t in self._tensors:  # now communicate the first step's gradients in the new buckets
-                t.mark_ready()
+        if self._recorder.recording:
+            self._ready.check_all_launched()  # every gradient came (else the error names the missing ones)
+            self._rebuild(self._recorder.agree(self.comm, self._tensors))
+            self._ready.reset()  # the counts of the recorded backward (the buckets may be the same)
+            for i in range(len(self._tensors)):  # now communicate the first step's gradients in the new buckets
+                self._mark_ready(i)
 
     def _after_wait(self) -> None:
         without_grad, self._without_grad = self._without_grad, None
@@ -160,7 +157,10 @@ class GradientEngine(BackwardEngine):
 
     def _rebuild(self, order: Optional[list[str]]) -> None:
         """Buckets in ``order``, checked across ranks (None: registration order, and record the next backward's)."""
-        self._recorded = None if order is not None else []
+        if order is None:
+            self._recorder.restart()
+        else:
+            self._recorder.stop()
         self._order = order
         tensors = ordered(self._tensors, order)
         if self._plan(tensors) != [[t.name for t in b.tensors] for b in self.buckets]:
@@ -176,17 +176,17 @@ class GradientEngine(BackwardEngine):
         parameters had no gradient (p.grad None) on every rank.
         """
         had_none = torch.zeros(len(self._tensors), dtype=torch.int32, device=self._tensors[0].proxy.device)
-        for t in self._dispatcher.unready_tensors():
-            had_none[self._index[t.name]] = int(t.proxy.grad is None)
-            self._on_ready(t)
+        for i in self._ready.unready():
+            had_none[i] = int(self._tensors[i].proxy.grad is None)
+            self._on_ready(i)
         streams.keep_for(had_none, self._worker.stream)  # made on this stream, used on the communication one
         self._worker.submit("the unused-parameter check",
                             lambda: had_none.copy_(self.comm.allreduce(had_none, ReduceOp.MIN)))
         return had_none
 
     def settle(self) -> None:
-        if self._hooks.queued and self._recorded is not None:  # an order cut short: record the next backward's
-            self._recorded = []
+        if self._hooks.queued and self._recorder.recording:  # an order cut short: record the next backward's
+            self._recorder.restart()
         super().settle()
 
     def state_dict(self) -> dict:

@@ -19,7 +19,7 @@ engine                 algorithms                          communicates
 =====================  ==================================  ========================================
 
 The bucket lifecycle (per-bucket state, the communication thread, backward
-hooks and their end-of-backward wait) is written once in :mod:`.bucketed`;
+hooks and their end-of-backward wait) is written once in :mod:`.base`;
 GradientEngine and QAdam's momentum phase are its ``BackwardEngine``,
 WeightEngine its ``BucketedEngine``.
 """
@@ -31,7 +31,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from ..core.bucket import Bucket
+from ...core.bucket import Bucket
 
 __all__ = ["Engine", "EngineOptions"]
 
@@ -61,7 +61,7 @@ class Engine(Protocol):
         """Start what the algorithm does at forward (Decentralized's exchange, QAdam's switch at warmup's end)."""
 
     def after_forward(self, outputs) -> None:
-        """See the forward's ``outputs`` (e.g. to end communication where backward ends, :class:`.runtime.BackwardHooks`)."""
+        """See the forward's ``outputs`` (e.g. to end communication where backward ends, :class:`..runtime.BackwardHooks`)."""
 
     def state_dict(self) -> dict:
         """Per-bucket algorithm state, copied."""

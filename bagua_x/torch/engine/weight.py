@@ -17,7 +17,7 @@ re-points ``p.data``), so after-step algorithms work on the weights in place
 per bucket.  Decentralized exchanges a snapshot, so the exchange never races
 with forward and backward reading the parameters.
 
-Streams (:class:`~.runtime.CommWorker`): the exchange runs on the engine's own
+Streams (:class:`~..runtime.CommWorker`): the exchange runs on the engine's own
 stream after an event recorded on the training stream when the weights (or the
 snapshot) were final; the training stream waits for the exchange's stream
 before anything reads the averaged weights (at the end of backward before the
@@ -33,15 +33,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..algorithms.base import Algorithm, Phase, Target
-from ..core.bucket import Bucket
-from ..core.errors import BaguaXError
-from . import streams
-from .bucketed import BucketedEngine
-from .buckets import build_buckets, register_parameters
-from .communicator import TorchCommunicator
-from .engine import EngineOptions
-from .runtime import BackwardHooks
+from ...algorithms.base import Algorithm, Phase, Target
+from ...core.bucket import Bucket
+from ...core.errors import BaguaXError
+from .. import streams
+from ..communicator import TorchCommunicator
+from ..runtime import BackwardHooks
+from .base import BucketedEngine
+from .interface import EngineOptions
+from .registration import build_buckets, register_parameters
 
 __all__ = ["WeightEngine"]
 
@@ -59,16 +59,16 @@ class WeightEngine(BucketedEngine):
         optimizer = options.optimizer
         tensors = register_parameters(named_params, Target.WEIGHT)
         super().__init__(tensors, algorithm, comm, options, "bagua_x-weight-comm")
-        self.buckets = build_buckets(tensors, algorithm, comm.size, options.bucket_cap_mb, "weight_bucket_")
+        buckets = build_buckets(tensors, algorithm, comm.size, options.bucket_cap_mb, "weight_bucket_")
         with torch.no_grad():
-            for b in self.buckets:
+            for b in buckets:
                 b.flatten()
-            self.states = [algorithm.init(b.buffer, b.layout, comm.size) for b in self.buckets]
+            self.slots = self._slots(buckets, [algorithm.init(b.buffer, b.layout, comm.size) for b in buckets])
         self._in_flight: Optional[list[torch.Tensor]] = None
         self._hooks: Optional[BackwardHooks] = None
         self._step_hook = None
         if algorithm.phase is Phase.BEFORE_FORWARD:
-            self._hooks = BackwardHooks(tensors, lambda t: None, self._finish, lambda: self._in_flight is not None)
+            self._hooks = BackwardHooks(tensors, self._hook, self._finish, lambda: self._in_flight is not None)
         elif algorithm.phase is Phase.AFTER_STEP:
             if optimizer is None:
                 raise BaguaXError(
@@ -96,15 +96,20 @@ class WeightEngine(BucketedEngine):
         if not (self.enabled and torch.is_grad_enabled()):
             return
         with torch.no_grad():
-            flats = [self._weights(b).clone() for b in self.buckets]
-        for i, flat in enumerate(flats):
+            flats = [self._weights(s.bucket).clone() for s in self.slots]
+        for slot, flat in zip(self.slots, flats):
             streams.keep_for(flat, self._worker.stream)
-            self._submit(i, flat)
+            self._submit(slot, flat)
         self._in_flight = flats
 
     def after_forward(self, outputs) -> None:
         if self._hooks is not None:
             self._hooks.watch(outputs)
+
+    def _hook(self, _i: int, _param: torch.Tensor) -> None:
+        """A parameter's gradient hook: the exchange in flight lands at the end of this backward."""
+        if self._in_flight is not None:
+            self._hooks.arm()
 
     def _finish(self) -> None:
         if self._in_flight is None:
@@ -119,8 +124,8 @@ class WeightEngine(BucketedEngine):
     def after_step(self) -> None:
         if not self.enabled:
             return
-        for i, b in enumerate(self.buckets):
-            self._submit(i, self._weights(b))  # _weights on this thread: it may re-point replaced parameters
+        for slot in self.slots:
+            self._submit(slot, self._weights(slot.bucket))  # _weights on this thread: it may re-point replaced ones
         self._worker.wait()  # the next forward's kernels wait for the exchange
 
     @staticmethod

@@ -4,14 +4,14 @@ Each keyword is either honoured or refused here, before any collective, with
 the reason it does not apply: bagua_x runs one process per device on the
 device the parameters are on and always keeps gradients as bucket views.
 ``static_graph`` needs no check: the backward engines honour it
-(:mod:`.ready_counts`).
+(:mod:`..engine.ready_counts`).
 """
 
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from ..core.errors import BaguaXError
+from ...core.errors import BaguaXError
 
 __all__ = ["check_ddp_arguments"]
 

@@ -12,10 +12,10 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from ..algorithms.base import Algorithm, Target, state_from_dict
-from ..core.bucket import Bucket, plan_buckets
-from ..core.errors import BaguaXError
-from ..core.tensor import RegisteredTensor, TensorRegistry
+from ...algorithms.base import Algorithm, Target, state_from_dict
+from ...core.bucket import Bucket, plan_buckets
+from ...core.errors import BaguaXError
+from ...core.tensor import RegisteredTensor, TensorRegistry
 
 __all__ = ["grad_getter", "grad_setter", "register_parameters", "build_buckets", "state_dict_of", "load_states"]
 
@@ -76,21 +76,23 @@ def build_buckets(tensors: Sequence[RegisteredTensor], algorithm: Algorithm, wor
     return [make(f"{prefix}{i}", [tensors[j] for j in idx], alignment) for i, idx in enumerate(plan)]
 
 
-def state_dict_of(buckets: Sequence[Bucket], states: Sequence[NamedTuple]) -> dict:
-    """Per-bucket algorithm state as dicts (``_asdict()``), copied (so later steps do not change it)."""
-    return {b.name: {k: _copy(v) for k, v in s._asdict().items()} for b, s in zip(buckets, states)}
+def state_dict_of(slots: Sequence) -> dict:
+    """Per-bucket algorithm state of the engine's slots (``.bucket``, ``.state``) as dicts (``_asdict()``),
+    copied (so later steps do not change it)."""
+    return {s.bucket.name: {k: _copy(v) for k, v in s.state._asdict().items()} for s in slots}
 
 
-def load_states(buckets: Sequence[Bucket], states: list[NamedTuple], saved: dict) -> None:
-    """``states[i]`` <- bucket ``i``'s saved dict, as the type of the state it replaces."""
-    names = [b.name for b in buckets]
+def load_states(slots: Sequence, saved: dict) -> None:
+    """Each slot's state from its bucket's saved dict (copied), as the type of the state it replaces."""
+    names = [s.bucket.name for s in slots]
     if sorted(saved) != sorted(names):
         raise BaguaXError(
             f"algorithm state has buckets {sorted(saved)}, but this wrapper has {names}; "
             "load a state saved from the same model, algorithm and bucket_cap_mb"
         )
-    loaded = [state_from_dict(states[i], saved[b.name], f"bucket {b.name!r}") for i, b in enumerate(buckets)]
-    states[:] = [type(s)(*map(_copy, s)) for s in loaded]
+    loaded = [state_from_dict(s.state, saved[s.bucket.name], f"bucket {s.bucket.name!r}") for s in slots]
+    for s, state in zip(slots, loaded):
+        s.state = type(state)(*map(_copy, state))
 
 
 def _copy(v):

@@ -5,7 +5,8 @@ backward produces gradients.  When modules run in another order than they are
 defined in (a shortcut branch, a tied embedding, a layer built late), a bucket
 waits for a gradient that comes last and its communication starts late.  So
 the GradientEngine records the order during its first synchronised backward
-and rebuilds its buckets to it once, at the end of that backward:
+(:class:`OrderRecorder`) and rebuilds its buckets to it once, at the end of
+that backward:
 
 * ranks may see different orders (data-dependent branches, ties between
   independent branches) while collectives must pair, so rank 0's order is
@@ -26,16 +27,38 @@ from __future__ import annotations
 import itertools
 from typing import Optional, Sequence
 
-from ..core.errors import BaguaXError
-from ..core.tensor import RegisteredTensor
-from ..core.wire import decode, encode
-from .watchdog import resolve_timeout, store_broadcast
+from ...core.errors import BaguaXError
+from ...core.tensor import RegisteredTensor
+from ...core.wire import decode, encode
+from ..store import resolve_timeout, store_broadcast
 
-__all__ = ["ORDER_KEY", "complete_order", "agree_on_order", "check_order", "ordered"]
+__all__ = ["ORDER_KEY", "OrderRecorder", "complete_order", "agree_on_order", "check_order", "ordered"]
 
 ORDER_KEY = "bucket_order"  # in GradientEngine.state_dict(): the tensor names in bucket order, once rebuilt
 
 _exchanges = itertools.count()  # engines rebuild in the same order on every rank
+
+
+class OrderRecorder:
+    """The tensor names in the order their gradients became final, while ``recording`` (the first
+    synchronised backward, again after one cut short or a checkpoint without an order)."""
+
+    def __init__(self):
+        self.recording = True
+        self._names: list[str] = []
+
+    def record(self, name: str) -> None:
+        self._names.append(name)
+
+    def restart(self) -> None:
+        self.recording, self._names = True, []
+
+    def stop(self) -> None:
+        self.recording, self._names = False, []
+
+    def agree(self, comm, tensors: Sequence[RegisteredTensor]) -> list[str]:
+        """Rank 0's recorded order, completed with the tensors it never saw, on every rank."""
+        return agree_on_order(complete_order(self._names, tensors), comm, tensors)
 
 
 def complete_order(recorded: Sequence[str], tensors: Sequence[RegisteredTensor]) -> list[str]:

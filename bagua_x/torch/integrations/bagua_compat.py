@@ -28,8 +28,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..core.errors import BaguaXError
-from ..core.tensor import RegisteredTensor
+from ...core.errors import BaguaXError
+from ...core.tensor import RegisteredTensor
 
 __all__ = [
     "enable_bagua_api", "ensure_bagua_tensor", "bagua_registered_tensor", "is_bagua_tensor", "bagua_getter_closure",

@@ -26,15 +26,21 @@ comes next.
 
 DDP calls the hook from backward, in bucket order, on every rank.  The hook
 only queues the bucket on one communication thread (a
-:class:`~.runtime.CommWorker`: FIFO, so collectives keep that order on every
+:class:`~..runtime.CommWorker`: FIFO, so collectives keep that order on every
 rank) and returns a ``torch.futures.Future`` that the thread completes:
 backward goes on while the algorithm communicates, and DDP waits for the
 futures at the end of backward.  On CUDA the thread runs on a stream of its
 own, after an event recorded on the stream DDP called the hook on, and the
-future is CUDA-aware (:func:`.streams.future`): completed while that stream is
+future is CUDA-aware (:func:`..streams.future`): completed while that stream is
 current, so DDP's stream waits for the reduction without a host sync.  The thread uses its own process group
 (made from DDP's ranks), so its collectives never interleave with the ones DDP
 issues itself (buffer broadcasts, the unused-parameter map).
+
+Bounds, ``timeout`` seconds (as ``wrap(timeout=...)``; default the process
+group's): a collective still running on the device past its deadline (NCCL
+returns at once, so the thread polls an event recorded after it) breaks the
+thread: every later bucket is skipped there and fails its future with the
+report, which DDP raises at the end of that backward.
 
 Only gradient algorithms (``target`` GRAD, ``phase`` AFTER_BACKWARD: GradientAllReduce,
 ByteGrad, PowerSGD) fit in a hook: weight and momentum algorithms act on parameters or
@@ -42,20 +48,22 @@ optimizer state after the step, which DDP never hands to a hook; use
 :func:`bagua_x.torch.wrap` for those.
 """
 
+import datetime
 import logging
 from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from ..algorithms.base import Algorithm, Phase, Target, state_from_dict
-from ..core.bucket import BucketLayout
-from ..core.comm import Feature
-from ..core.errors import BaguaXError
-from . import streams
-from .bucketed import reduce_in_place
-from .communicator import TorchCommunicator
-from .runtime import CommWorker
+from ...algorithms.base import Algorithm, Phase, Target, state_from_dict
+from ...core.bucket import BucketLayout
+from ...core.comm import Feature
+from ...core.errors import BaguaXError
+from .. import streams
+from ..communicator import TorchCommunicator
+from ..engine.base import reduce_in_place
+from ..runtime import CommWorker
+from ..store import resolve_timeout
 
 __all__ = ["CommHookState", "comm_hook"]
 
@@ -89,16 +97,20 @@ class CommHookState:
 
     Collective: create it on every rank, after ``init_process_group`` and with
     the same ``process_group`` as the DDP model (``None``: the default group).
+    ``timeout`` (seconds or a timedelta; default the group's own) bounds each
+    bucket's collective on the device (see the module docstring).
     """
 
-    def __init__(self, algorithm: Algorithm, process_group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, algorithm: Algorithm, process_group: Optional[dist.ProcessGroup] = None,
+                 timeout: Union[None, float, datetime.timedelta] = None):
         _check_fits_a_hook(algorithm)
         if not dist.is_initialized():
             raise BaguaXError("CommHookState needs torch.distributed: call torch.distributed.init_process_group() "
                               "first (the same group DDP uses)")
         self.algorithm = algorithm
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-        self.comm = TorchCommunicator(dist.new_group(ranks, backend=dist.get_backend(process_group)))
+        self.comm = TorchCommunicator(dist.new_group(ranks, backend=dist.get_backend(process_group)),
+                                      timeout=resolve_timeout(timeout, process_group))
         #: DDP bucket index -> (its parameters' positions, its layout, its algorithm state)
         self.buckets: "dict[int, tuple[tuple[int, ...], BucketLayout, NamedTuple]]" = {}
         #: parameter position -> its state while in no bucket (left behind by DDP's regrouping: a NamedTuple;
@@ -112,11 +124,12 @@ class CommHookState:
         """Queue ``bucket`` on the communication thread; the future gets its reduced buffer."""
         index, buffer = bucket.index(), bucket.buffer()
         if self._worker is None:
-            self._worker = CommWorker("bagua_x-comm-hook", buffer.device)
+            self._worker = CommWorker("bagua_x-comm-hook", buffer.device, self.comm.timeout)
         fut = streams.future(buffer.device)
         layout = bucket_layout(bucket, self.algorithm.alignment(self.comm.size))
         keys = self._keys(bucket)
-        self._worker.submit(f"DDP bucket {index}", lambda: self._reduce(index, keys, buffer, layout, fut))
+        self._worker.submit(f"DDP bucket {index}", lambda: self._reduce(index, keys, buffer, layout, fut),
+                            skipped=fut.set_exception)
         return fut
 
     def _keys(self, bucket: dist.GradBucket) -> "tuple[int, ...]":
