@@ -9,7 +9,7 @@ import pytest
 
 from bagua_x.core.autotune import ROUNDS, choose_form
 from bagua_x.core.comm import ReduceOp
-from simulated import run
+from bagua_x.testing import run
 
 # (rank, over nodes) -> seconds a round takes: ranks 0 and 1 alone would pick one form, 2 and 3 the other
 SKEWS = {True: {(0, False): 0.06, (1, False): 0.06, (2, True): 0.02, (3, True): 0.02},

@@ -8,7 +8,7 @@ produces their gradients, so the first bucket is ready first.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
