@@ -52,26 +52,28 @@ def build_system(name: str, model: str, rank: int):
 
     sgd = optax.sgd(0.01, momentum=0.9)
     if name in ("compute", "pmean"):
-        tx, dp, sync_first = sgd, None, False
+        tx, dp, target, sync_first = sgd, None, None, False
         placed, state = jax.tree.map(lambda a: np.asarray(a)[None], params), ()
     else:
         algorithm = make_algorithm(name)
         dp = bxj.wrap(params, algorithm=algorithm, axis_name=AXIS)
         tx = dp.optimizer() if algorithm.target is Target.MOMENTUM else sgd
-        sync_first = algorithm.phase == Phase.BEFORE_FORWARD
+        target, sync_first = algorithm.target, algorithm.phase is Phase.BEFORE_FORWARD
         placed, state = dp.replicate(params), dp.init()
 
+    # each call of dp communicates for one target and refuses the others: gradients here, weights before
+    # (decentralized: x <- avg(x_t), then the gradient taken at x_t) or after the update, momentum in tx
     def step(p, opt_state, state):
         grads = jax.grad(loss_fn)(p)
         if name == "pmean":
             grads = jax.tree.map(lambda g: jax.lax.pmean(g, AXIS), grads)
-        elif dp is not None:
+        elif target is Target.GRAD:
             grads, state = dp.reduce_gradients(grads, state)
-            if sync_first:  # decentralized: x <- avg(x_t), then the gradient taken at x_t
-                p, state = dp.sync_params(p, state)
+        if target is Target.WEIGHT and sync_first:
+            p, state = dp.sync_params(p, state)
         updates, opt_state = tx.update(grads, opt_state, p)
         p = optax.apply_updates(p, updates)
-        if dp is not None and not sync_first:
+        if target is Target.WEIGHT and not sync_first:
             p, state = dp.sync_params(p, state)
         return p, opt_state, state
 
