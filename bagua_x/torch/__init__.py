@@ -48,6 +48,10 @@ parameters, parameters on several devices) are refused at wrap().
 Inside stock DDP: ``ddp.register_comm_hook(CommHookState(ByteGrad()), comm_hook)``
 runs a gradient algorithm as DDP's communication hook (:mod:`bagua_x.torch.integrations.comm_hook`).
 
+Lightning: ``Trainer(strategy=BaguaXStrategy(algorithm=ByteGrad()))`` with
+``from bagua_x.torch.integrations.lightning import BaguaXStrategy`` (the
+``[lightning]`` extra; not imported here, so torch users need no Lightning).
+
 ``bagua_x.torch.enable_bagua_api()`` adds Bagua's tensor methods
 (``ensure_bagua_tensor`` ...) to ``torch.Tensor``; see :mod:`bagua_x.torch.integrations.bagua_compat`.
 """

@@ -13,8 +13,11 @@ builds a model of ``jax_zoo.py`` once per system, as a pmapped training step
 applied unreduced: the floor any algorithm can reach while the ranks share
 the machine's cores), ``pmean`` (one ``lax.pmean`` per leaf, what a plain JAX
 program does), and each algorithm through ``bagua_x.jax.wrap`` at its
-defaults (two-level on >= 2 nodes of >= 2 ranks); GradientAllReduce is always
-among them, as the second baseline.  The systems run in interleaved rounds,
+defaults (on >= 2 nodes of >= 2 ranks, the faster of flat and two-level,
+timed at ``wrap``); GradientAllReduce is always among them, as the second
+baseline.  With ``--forms``, each algorithm that has a measured default also
+runs forced flat and forced two-level (``<name>/flat``, ``<name>/hierarchical``)
+beside it (``<name>``), to check the default's choice.  The systems run in interleaved rounds,
 the order reversed every other round, so all see the same machine load; rank
 0 prints the median step times as one JSON line.
 """
@@ -36,8 +39,13 @@ from bagua_x.apps.quiet import without_gloo_lines
 AXIS = "batch"
 
 
+FORMS = {"flat": False, "hierarchical": True}
+
+
 def build_system(name: str, model: str, rank: int):
     """A function ``carry -> carry`` doing one training step of system ``name``, and its first carry."""
+    import dataclasses
+
     import optax
 
     from bagua_x.algorithms import Phase, Target
@@ -55,7 +63,10 @@ def build_system(name: str, model: str, rank: int):
         tx, dp, target, sync_first = sgd, None, None, False
         placed, state = jax.tree.map(lambda a: np.asarray(a)[None], params), ()
     else:
-        algorithm = make_algorithm(name)
+        algorithm, _, form = name.partition("/")
+        algorithm = make_algorithm(algorithm)
+        if form:
+            algorithm = dataclasses.replace(algorithm, hierarchical=FORMS[form])
         dp = bxj.wrap(params, algorithm=algorithm, axis_name=AXIS)
         tx = dp.optimizer() if algorithm.target is Target.MOMENTUM else sgd
         target, sync_first = algorithm.target, algorithm.phase is Phase.BEFORE_FORWARD
@@ -99,6 +110,9 @@ def run(args) -> dict:
     bxj.init_distributed()
     rank = jax.process_index()
     names = ["compute", "pmean", "allreduce"] + [a for a in args.algorithms if a != "allreduce"]
+    if args.forms:  # the algorithms whose default is measured: hierarchical=None
+        names += [f"{a}/{form}" for a in args.algorithms
+                  if getattr(make_algorithm(a), "hierarchical", False) is None for form in FORMS]
     systems, carries = {}, {}
     for name in names:
         systems[name], carry = build_system(name, args.model, rank)
@@ -118,6 +132,8 @@ def main():
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
+    parser.add_argument("--forms", action="store_true",
+                        help="also run each measured default forced flat and forced two-level")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
 
