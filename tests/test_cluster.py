@@ -139,7 +139,9 @@ def test_repeated_ctrl_c_still_deletes_every_namespace():
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
-    assert "Traceback" not in out and "_Stop" not in out, out[-3000:]
+    # no exception out of the teardown: a traceback through cluster.py (torchrun's agent, stopped by SIGTERM, may
+    # print its own SignalException, as it did once under load: that one is torch's and says nothing of ours)
+    assert "apps/cluster.py" not in out and '"<string>"' not in out and "_Stop" not in out, out[-3000:]
     assert out.count("still stopping") == 3, out[-3000:]
     assert own_namespaces(prefix) == []
 

@@ -135,7 +135,8 @@ def main(scenario, out_dir, nodes=1):
         results["ddp"] = fit("ddp", 1, nodes=nodes, max_steps=10)
         results["allreduce"] = fit(BaguaXStrategy(algorithm=algorithms.GradientAllReduce(hierarchical=True)), 1,
                                    nodes=nodes, max_steps=10)
-        results["bytegrad"] = fit(BaguaXStrategy(algorithm=algorithms.ByteGrad()), 1, nodes=nodes, max_steps=10)
+        results["bytegrad"] = fit(BaguaXStrategy(algorithm=algorithms.ByteGrad(hierarchical=True)), 1, nodes=nodes,
+                                  max_steps=10)  # forced: the default times both forms and may keep flat
     elif scenario.startswith("resume:"):
         make = ALGORITHMS[scenario.split(":")[1]]
         every_epoch = ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), save_top_k=-1, every_n_epochs=1)

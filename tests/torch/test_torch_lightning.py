@@ -109,7 +109,7 @@ def test_gradient_accumulation_communicates_once_per_step(tmp_path):
 def test_hierarchical_variants_over_lightning_nodes(tmp_path):
     ranks = run_lightning("nodes", tmp_path, timeout=240, nodes=2)  # 2 nodes x 2 ranks
     for rank, r in enumerate(ranks):
-        for name in ("allreduce", "bytegrad"):  # ByteGrad's default hierarchical=None: over nodes on 2 x 2
+        for name in ("allreduce", "bytegrad"):  # both forced over nodes: the strategy's node layout is used
             nodes = r[name]["nodes"]
             assert nodes["within"][0] == nodes["across"][0] == 2, (name, nodes)
             assert nodes["within"][1] > 0 and nodes["across"][1] > 0 and nodes["flat"] == 0, (name, nodes)
