@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
 
@@ -109,6 +110,9 @@ def run(args) -> dict:
     """Every system's step times (seconds), measured in interleaved rounds after a warm-up."""
     bxj.init_distributed()
     rank = jax.process_index()
+    if rank == 0:  # each measured default's form and timings, as torch's cluster_step logs them
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("bagua_x.core.autotune").setLevel(logging.INFO)
     names = ["compute", "pmean", "allreduce"] + [a for a in args.algorithms if a != "allreduce"]
     if args.forms:  # the algorithms whose default is measured: hierarchical=None
         names += [f"{a}/{form}" for a in args.algorithms
