@@ -90,8 +90,10 @@ def compression_kernels(device):
     """ByteGrad's round trip (compress_rows, then decompress_rows into the bucket) at its real shapes.
 
     Bandwidth model, 9 bytes per element: the float32 read (4) and written back (4) and the byte written (1);
-    the byte read back mostly comes from L2 at these sizes.  "Eager" is the same code with the compiler
-    unregistered; the first call of each shape, in a compile cache of its own, is the compile time.
+    the byte read back mostly comes from L2 at these sizes.  Times are the device's (the calls queued ahead
+    of the GPU, so kernels run back to back); the host's time per call is reported beside them.  "Eager" is
+    the same code with the compiler unregistered; the first call of each shape, in a compile cache of its
+    own, is the compile time.  The bytes and values must equal compression.py run on numpy, bit for bit.
     """
     cache = os.environ.get("GPU_CHECK_CACHE")
     if cache:  # before torch is imported: a cache no other check has filled
@@ -107,7 +109,7 @@ def compression_kernels(device):
     from bagua_x.testing import reference as numpy_blocks
     from bagua_x.torch import kernels as torch_kernels
     from compression_throughput import peak_bandwidth
-    from gpu_check_torch import seconds_per_call
+    from gpu_check_torch import device_seconds_per_call
 
     cuda = device == "cuda"
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -137,17 +139,22 @@ def compression_kernels(device):
                                       for r in range(rows))
         if entry["error_in_steps"] > STEP_SLACK:
             problems.append(f"{rows}x{cols}: {entry['error_in_steps']:.2f} quantisation steps from the reference")
+        packed = C.compress_rows(x).cpu().numpy()
+        entry["bitwise_as_numpy"] = bool(np.array_equal(packed, C.compress_rows(xs)) and
+                                         np.array_equal(got, C.decompress_rows(C.compress_rows(xs))))
+        if cuda and not entry["bitwise_as_numpy"]:  # torch's CPU division is not always correctly rounded
+            problems.append(f"{rows}x{cols}: not bit for bit compression.py on numpy")
         if not cuda:
             continue
-        compiled = seconds_per_call(roundtrip, dev, 20)
+        compiled, host = device_seconds_per_call(roundtrip, dev, 20)
         unregister_compiler(torch_kernels.NAMESPACE)
         try:
-            eager = seconds_per_call(roundtrip, dev, 5)
+            eager, eager_host = device_seconds_per_call(roundtrip, dev, 5)
         finally:
             torch_kernels.install()
         fraction = 9 * rows * cols / compiled / peak
         entry.update(compiled_ms=1e3 * compiled, eager_ms=1e3 * eager, speedup=eager / compiled,
-                     fraction_of_peak=fraction)
+                     fraction_of_peak=fraction, host_ms_per_call=1e3 * host, eager_host_ms_per_call=1e3 * eager_host)
         if entry["fallback_warnings"]:
             problems.append(f"{rows}x{cols}: kernels fell back to eager: {entry['fallback_warnings'][0]}")
         if fraction < 0.4:

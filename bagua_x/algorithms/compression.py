@@ -15,7 +15,11 @@ A compressed row travels as one uint8 array: the row's bytes, then an
 8-byte header holding its min and max (float32), so one collective carries
 both (as in Bagua).  The arithmetic lives in four kernels on the unpacked
 form (``quantize``, ``dequantize``, ``dequantize_into``, ``sum_requantize``;
-see :mod:`.kernels`); packing is cheap glue around them, outside compiled code.
+see :mod:`.kernels`); packing is glue around them, outside compiled code.
+``compress_rows`` and ``decompress_rows`` are kernels too, so that a frontend
+can stand in one that writes the packed rows directly (torch on CUDA:
+:mod:`bagua_x.torch.cuda_compression`); called plain, they run the kernels
+inside them.
 """
 
 from __future__ import annotations
@@ -103,12 +107,14 @@ def unpack_rows(packed):
     return packed[:, :-HEADER_BYTES], xp.reshape(header.view(xp.float32), (-1, 2))
 
 
+@kernel
 def compress_rows(x):
     """Quantise each row of float ``x`` (R, k) -> uint8 (R, k + 8): each row's bytes, then its
     min and max as float32 bytes."""
     return pack_rows(*quantize(x))
 
 
+@kernel
 def decompress_rows(packed, out=None):
     """Inverse of :func:`compress_rows`: float32 (R, k).
 

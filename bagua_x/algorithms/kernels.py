@@ -24,7 +24,8 @@ _COMPILERS: dict[str, tuple[Callable, int]] = {}  # namespace name -> (compile, 
 
 def register_compiler(namespace_name: str, compile: Callable[[Callable], Callable], min_numel: int = 0) -> None:
     """Run kernels on arrays of ``namespace_name`` with at least ``min_numel`` elements as
-    ``compile(kernel)`` (below that, compiling does not pay off)."""
+    ``compile(kernel)`` (below that, compiling does not pay off).  ``compile`` gets the plain function
+    and may return a hand-written equivalent of its own instead of compiling it."""
     _COMPILERS[namespace_name] = (compile, min_numel)
 
 
@@ -41,14 +42,14 @@ def kernel(fn: Callable) -> Callable:
     compiled: dict[str, Callable] = {}
 
     @functools.wraps(fn)
-    def dispatch(x, *args):
+    def dispatch(x, *args, **kwargs):
         name = namespace(x).__name__
         entry = _COMPILERS.get(name)
         if entry is None or math.prod(x.shape) < entry[1]:
-            return fn(x, *args)
+            return fn(x, *args, **kwargs)
         if name not in compiled:
             compiled[name] = entry[0](fn)
-        return compiled[name](x, *args)
+        return compiled[name](x, *args, **kwargs)
 
     dispatch.plain = fn
     return dispatch

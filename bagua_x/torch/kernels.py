@@ -3,6 +3,8 @@
 Eager torch runs MinMaxUInt8 as a dozen passes over memory; compiled, it is one
 fused pass with bitwise equal results (an order of magnitude faster: see the docs'
 Performance page).  Compiling costs seconds per new shape, so small buckets stay eager.
+On CUDA, compressing and decompressing rows use the hand-written Triton kernels
+of :mod:`.cuda_compression` instead, which also write the packed bytes directly.
 
 ``torch.compile`` compiles nothing until it is first called, so a missing
 compiler (no C++ toolchain on a CPU node, no Triton on a GPU one) would only
@@ -21,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from ..algorithms import compression
 from ..algorithms.kernels import register_compiler, unregister_compiler
 from ..core.comm import ReduceOp
 
@@ -49,9 +52,35 @@ def _compiled(fn):
     return run
 
 
+# kernels with a hand-written CUDA version in .cuda_compression (which writes the packed rows directly)
+_ON_CUDA = {compression.compress_rows.plain: "compress_rows", compression.decompress_rows.plain: "decompress_rows"}
+
+
+def _compile(fn):
+    """``fn``'s Triton version for CUDA tensors where :mod:`.cuda_compression` has one (else, and on the
+    CPU, ``fn`` itself, whose inner kernels compile), or ``fn`` compiled by ``torch.compile``."""
+    name = _ON_CUDA.get(fn)
+    if name is None:
+        return _compiled(fn)
+
+    @functools.wraps(fn)
+    def run(x, *args, **kwargs):
+        if x.is_cuda and _failure is None:
+            try:
+                from . import cuda_compression
+
+                if cuda_compression.applies(x, kwargs.get("out")):
+                    return getattr(cuda_compression, name)(x, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - Triton missing or failing: eager, as any compiler failure
+                fall_back(f"the Triton kernel {name} failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        return fn(x, *args, **kwargs)
+
+    return run
+
+
 def install() -> None:
     """Compile the algorithms' kernels for torch arrays (idempotent)."""
-    register_compiler(NAMESPACE, _compiled, MIN_NUMEL)
+    register_compiler(NAMESPACE, _compile, MIN_NUMEL)
 
 
 def fall_back(why: str) -> None:

@@ -23,6 +23,8 @@ __all__ = ["CommWorker", "BackwardHooks"]
 
 log = logging.getLogger(__name__)
 
+RUN_AHEAD_POLL = 0.0005  # seconds between polls while the host is a step ahead of the device's communication
+
 
 class CommWorker:
     """One background thread that runs communication jobs in submission order, on a CUDA stream of its own.
@@ -50,6 +52,15 @@ class CommWorker:
     and a missed deadline breaks the worker with the same report, raised on
     the training thread at its next :meth:`wait` or :meth:`check`.  A broken
     worker stays broken: every later ``wait`` raises at once.
+
+    Run-ahead, on CUDA: the host queues work without waiting for the device, so
+    behind a collective that never finishes a training loop would go on queueing
+    until a CUDA launch blocks, in C, where nothing can raise.  So :meth:`wait`
+    lets the host be at most one wait ahead of the side stream: it returns once
+    the previous wait's communication has finished on the device (polling, no
+    host sync), or raises the report when the thread finds that past its
+    deadline.  A host more than one step ahead leaves the GPU a step of queued
+    work, so this costs no GPU time; on the CPU, work is finished when launched.
     """
 
     def __init__(self, name: str, device: torch.device, timeout: Optional[float] = None,
@@ -67,6 +78,7 @@ class CommWorker:
         # (deadline, event after the job, what, bucket) of launched jobs whose work may still run, oldest first
         self._running: collections.deque = collections.deque()
         self._poll = None if timeout is None else min(0.05, timeout / 20)
+        self._previous_wait = None  # an event after the communication the last wait() handed over
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -160,6 +172,10 @@ class CommWorker:
             self._stuck = self._timed_out(what, bucket, "The communication thread is still blocked in the collective")
             raise self._stuck
         streams.wait_stream(streams.current(self._device), self.stream)
+        previous, self._previous_wait = self._previous_wait, streams.mark(self.stream)
+        while not streams.done(previous):  # bounded: the thread breaks the worker at the job's deadline
+            self.check()
+            time.sleep(RUN_AHEAD_POLL)
         if error is not None:
             raise error
 

@@ -15,7 +15,9 @@ The rules (DDP's reducer follows the same ones):
   current device is per thread, and defaults to GPU 0.
 * A wait for communication never blocks the host: NCCL's ``wait()`` returns
   at once (it only orders the current stream), so a deadline is checked by
-  polling an event recorded after the work (:func:`done`).
+  polling an event recorded after the work (:func:`done`).  The training
+  thread polls one too (:func:`mark`), to stay at most a step ahead of the
+  communication, so a hang is reported before a launch blocks in C.
 * A result handed to torch through a future (the DDP comm hook) goes in a
   CUDA-aware one (:func:`future`): completed while the producing stream is
   current, its consumers' streams wait for that stream's work.
@@ -34,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Stream", "current", "side", "record", "wait", "wait_stream", "use", "keep_for", "set_device", "done",
+__all__ = ["Stream", "current", "side", "record", "mark", "wait", "wait_stream", "use", "keep_for", "set_device", "done",
            "future", "TRACE"]
 
 TRACE: Optional[list] = None
@@ -68,6 +70,17 @@ def side(device: torch.device, name: str) -> Stream:
 def record(stream: Stream) -> Optional[Any]:
     """An event marking the work queued on ``stream`` so far (None on the CPU)."""
     _trace("record", stream)
+    if stream.cuda is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream.cuda)
+    return event
+
+
+def mark(stream: Stream) -> Optional[Any]:
+    """:func:`record`, called by a thread that does not queue work on ``stream`` (traced as "mark"): the
+    training thread marking how far the communication it waited for goes, to bound its run-ahead."""
+    _trace("mark", stream)
     if stream.cuda is None:
         return None
     event = torch.cuda.Event()

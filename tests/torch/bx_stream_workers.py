@@ -99,6 +99,38 @@ def device_deadline(timeout=3.0, seconds=12.0):
     return {"type": None, "seconds": time.monotonic() - start}
 
 
+def run_ahead(timeout=3.0):
+    """Two training steps behind a collective that never finishes on the device (events patched as in
+    ``device_deadline``), then nothing: the second backward must not return while the first step's
+    communication is unfinished, but raise the report once its deadline passes."""
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x.torch import streams
+
+    rank = _init()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    wrapped = bxt.wrap(model, opt, timeout=timeout)
+    wrapped(torch.randn(8, 16)).square().sum().backward()  # the first step (bucket rebuild) completes
+    opt.step()
+    streams.record = streams.mark = lambda stream: NeverDone()
+    start = time.monotonic()
+    steps = []
+    try:
+        for step in range(2):
+            opt.zero_grad()
+            wrapped(torch.randn(8, 16)).square().sum().backward()
+            opt.step()
+            steps.append(time.monotonic() - start)
+    except Exception as e:  # noqa: BLE001 -- the test checks type and message
+        elapsed = time.monotonic() - start
+        if rank == 0:
+            time.sleep(4)
+        return {"type": type(e).__name__, "message": str(e), "seconds": elapsed, "steps": steps}
+    return {"type": None, "seconds": time.monotonic() - start, "steps": steps}
+
+
 def hook_deadline(timeout=3.0):
     """A DDP comm hook whose completion events never finish (as ``device_deadline``): one step, a wait past
     the deadline (the hook's thread polls the event while idle), then the next backward, which raises the

@@ -18,7 +18,7 @@ def check_stream_order(trace, sides):
     it, runs the job and records its completion; every wait_stream of the current stream on a side stream comes
     once all jobs submitted so far were launched. Returns (jobs, wait_streams)."""
     for side in sides:
-        ops = [op for op, stream in trace if stream == side and op != "keep_for"]
+        ops = [op for op, stream in trace if stream == side and op not in ("keep_for", "mark")]
         assert ops[0] == "use" and "use" not in ops[1:], ops  # every job runs inside use(side)
         assert ops[1:] == ["wait", "record"] * ((len(ops) - 1) // 2) and len(ops) > 1, ops
     recorded = waits = done = wait_streams = 0
@@ -74,6 +74,18 @@ def test_collective_past_its_deadline_on_the_device_is_reported():
         assert "grad_bucket_0 did not complete within 3 s" in message, message
         assert "still running on the device" in message, message
         assert "'0.weight'" in message, message  # the report names the bucket's tensors
+
+
+def test_host_runs_at_most_one_step_ahead_of_unfinished_communication():
+    """On CUDA nothing blocks the host, so a loop behind a stuck collective would queue work until a kernel
+    launch blocks in C, past any deadline.  The first step behind it returns; the second backward waits for
+    the first step's communication and raises the report at its deadline instead of returning."""
+    timeout = 3.0
+    for out in run_workers("bx_stream_workers:run_ahead", nproc=2, timeout=120, env=ENV, args=(timeout,)):
+        assert out["type"] == "BaguaXError", out
+        assert len(out["steps"]) == 1 and out["steps"][0] < 1.0, out  # one step ahead is allowed, at once
+        assert timeout - 0.5 < out["seconds"] < timeout + 3, out
+        assert "still running on the device" in out["message"], out
 
 
 def test_comm_hook_collective_past_its_deadline_on_the_device_is_reported():
