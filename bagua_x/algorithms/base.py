@@ -88,6 +88,9 @@ class Algorithm:
     #: ``reduce`` runs :func:`~.kernels.kernel` functions (MinMaxUInt8...), which a frontend may compile;
     #: it then checks at set-up that its compiler works, so a missing one never fails mid-training.
     uses_kernels = False
+    #: the state refers to peers of one form (ranks flat, nodes over nodes): a frontend that changes
+    #: the form of a running algorithm restarts its state from the ranks' average values (as at set-up).
+    state_follows_form = False
 
     @property
     def uses(self) -> frozenset[Feature]:

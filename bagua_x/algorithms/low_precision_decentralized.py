@@ -71,6 +71,7 @@ class LowPrecisionDecentralized(NodeAware, Algorithm):
     target = Target.WEIGHT
     phase = Phase.AFTER_STEP
     uses_kernels = True
+    state_follows_form = True  # the neighbour estimates are of ranks flat, of nodes over nodes
 
     def __post_init__(self):
         if self.communication_interval < 1:

@@ -1,4 +1,4 @@
-"""Flat or over nodes, chosen by timing both forms on the real buckets (Bagua's autotuning, in-process).
+"""Flat or over nodes, chosen by timing both forms (Bagua's autotuning, in-process).
 
 Which form of a hierarchical algorithm is faster depends on the links: with
 NVLink inside a node the in-node reduce-scatter is nearly free and the two
@@ -12,6 +12,13 @@ ranks (``slowest``, a collective: every rank gets the same numbers) and every
 rank compares the same two numbers.  A round starts on every rank together
 (``slowest`` of nothing, untimed), so a rank that finished its last round late
 does not make the others wait inside their next timed one.
+
+Two ways to time: :func:`choose_form` runs one reduce of every bucket in each
+form, on copies (JAX, at ``wrap``: nothing of training changes);
+:class:`StepTrial` times the first training steps themselves in each form
+(torch).  A reduce alone misses what a form costs the rest of the step: on
+CPU nodes, LowPrecisionDecentralized over nodes reduced faster alone and made
+whole steps slower (the in-node stages compete with compute for the cores).
 """
 
 from __future__ import annotations
@@ -20,9 +27,9 @@ import dataclasses
 import logging
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
-__all__ = ["FormChoice", "choose_form", "ROUNDS"]
+__all__ = ["FormChoice", "choose_form", "ROUNDS", "StepTrial"]
 
 log = logging.getLogger(__name__)
 
@@ -63,3 +70,59 @@ def choose_form(run: Callable[[bool], None], slowest: Callable[[Sequence[float]]
              "nodes (median of %d rounds, slowest rank)", what, "over nodes" if choice.two_level else "flat",
              flat * 1e3, two * 1e3, ROUNDS)
     return choice
+
+
+class StepTrial:
+    """The first training steps, run in each form in turn: the time from one step's start to the next's.
+
+    The plan: one untimed step in each form (the first builds buckets, opens
+    connections, compiles), then ``ROUNDS`` rounds of ``BLOCK`` timed steps flat
+    and ``BLOCK`` over nodes.  A frontend calls, at each training
+    step's start: :meth:`end` (the step before it is over), then :meth:`form`
+    (the form to run, switching if it changed; None once the plan is done: then
+    :meth:`choose`), then :meth:`begin` once switched, so a switch's own cost is
+    not timed.
+    """
+
+    BLOCK = 2  # steps in a row in one form (a switch may restart state: not every step)
+    ROUNDS = 2  # so 10 steps in all, 4 timed in each form
+
+    def __init__(self):
+        self._plan = [(False, False), (True, False)]
+        for _ in range(self.ROUNDS):
+            self._plan += [(False, True)] * self.BLOCK + [(True, True)] * self.BLOCK
+        self._next = 0  # index in the plan of the step to start next
+        self._started: Optional[float] = None
+        self.times: dict[bool, list[float]] = {False: [], True: []}
+
+    @property
+    def steps(self) -> int:
+        """Training steps the trial takes."""
+        return len(self._plan)
+
+    def end(self, now: float) -> None:
+        """The step begun last (if any) is over at ``now``."""
+        if self._started is not None:
+            two_level, timed = self._plan[self._next - 1]
+            if timed:
+                self.times[two_level].append(now - self._started)
+            self._started = None
+
+    def form(self) -> Optional[bool]:
+        """The form of the step about to start (True: over nodes), or None when the plan is done."""
+        return self._plan[self._next][0] if self._next < len(self._plan) else None
+
+    def begin(self, now: float) -> None:
+        """The step in :meth:`form` starts at ``now``."""
+        self._next += 1
+        self._started = now
+
+    def choose(self, slowest: Callable[[Sequence[float]], Sequence[float]], what: str) -> FormChoice:
+        """The faster form by the slowest rank's median step (collective, as :func:`choose_form`); logged."""
+        flat, two = (float(t) for t in slowest([statistics.median(self.times[False]),
+                                                 statistics.median(self.times[True])]))
+        choice = FormChoice(two < flat, flat, two)
+        log.info("bagua_x: %s runs %s, by measurement: a training step took %.2f ms flat and %.2f ms over nodes "
+                 "(median of %d steps each, slowest rank)", what, "over nodes" if choice.two_level else "flat",
+                 flat * 1e3, two * 1e3, len(self.times[False]))
+        return choice

@@ -1,27 +1,33 @@
-"""``hierarchical=None`` on >= 2 nodes of >= 2 ranks: flat or over nodes, chosen by timing both.
+"""``hierarchical=None`` on >= 2 nodes of >= 2 ranks: flat or over nodes, chosen by timing training steps.
 
-At the first forward (every rank runs it; nothing is in flight), both forms
-of the algorithm's ``reduce`` are timed on copies of the real buckets with
-throwaway state from ``init``, and every rank takes the form the slowest
-rank's times favour (:func:`~bagua_x.core.autotune.choose_form`).  The choice
-is switched on the communicator (:meth:`~.communicator.TorchCommunicator.use_nodes`,
-the node groups stay), so the engines, QAdam's warmup allreduce included,
-follow it.  It is saved in ``algorithm_state_dict()``, and a state that holds
-one sets it instead of timing again: a resumed run continues in the form its
-algorithm state was built in (LowPrecisionDecentralized's neighbour estimates
-are of ranks in one form, of nodes in the other), bitwise.
+The first training steps are the trial (:class:`~bagua_x.core.autotune.StepTrial`):
+at each one's forward (nothing in flight) the communicator is switched to the
+step's form (:meth:`~.communicator.TorchCommunicator.use_nodes`, the node
+groups stay), so the engines, QAdam's warmup allreduce included, follow it;
+after the trial every rank takes the form the slowest rank's median step
+favours.  Whole steps are timed, not a reduce alone: what a form costs the
+rest of the step (cores shared with compute, links shared with the data
+loader) counts.  An algorithm whose state refers to the peers of one form
+(``state_follows_form``: LowPrecisionDecentralized's neighbour estimates are of
+ranks in one, of nodes in the other) restarts it at each switch from the
+ranks' average weights, as at ``wrap``.
+
+The choice is saved in ``algorithm_state_dict()``, and a state that holds one
+sets it instead of timing again: a resumed run continues in its form, bitwise.
+A checkpoint taken during the trial holds no choice: the resumed run times
+again (restarting such state at the trial's first step).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional, Sequence
 
 import torch
 
 from ..algorithms.base import Algorithm
-from ..core.autotune import choose_form
-from ..core.bucket import Bucket, BucketLayout
+from ..core.autotune import StepTrial
 from ..core.comm import Feature, ReduceOp
 from .communicator import TorchCommunicator
 from .nodes import declared_setting
@@ -40,29 +46,43 @@ class NodeForm:
         self.algorithm, self.comm = algorithm, comm
         self.measured = declared_setting(algorithm) is None and Feature.HIERARCHICAL in comm.features
         self.two_level: Optional[bool] = None  # chosen (or loaded) form; None: not yet
+        self._trial: Optional[StepTrial] = None  # the steps being timed
+        self._running: Optional[bool] = None  # the form the trial's current step runs in
+        self._state_fits = True  # the state fits either form (made at wrap), or the one running
+        self._device = torch.device("cpu")
 
     @property
     def pending(self) -> bool:
         return self.measured and self.two_level is None
 
-    def choose(self, buckets: Sequence[Bucket]) -> None:
-        """Time both forms on copies of ``buckets`` and take the faster (collective: at the first forward)."""
-        runs = [_throwaway(self.algorithm, b, self.comm.size) for b in buckets]
-        flat_comm = TorchCommunicator(self.comm.group, timeout=self.comm.timeout)
-        device = buckets[0].buffer.device if buckets else torch.device("cpu")
+    def at_step(self, engine) -> None:
+        """A training step starts (its forward; nothing in flight): end the last step's timing and run this one
+        in the trial's next form; after the trial, take the faster form (collective: every rank's steps)."""
+        if self._trial is None:
+            self._trial = StepTrial()
+            self._device = engine.buckets[0].buffer.device if engine.buckets else torch.device("cpu")
+        self._trial.end(time.perf_counter())
+        form = self._trial.form()
+        if form is None:
+            choice = self._trial.choose(self._slowest, type(self.algorithm).__name__)
+            self._trial = None
+            self._switch(choice.two_level, engine)
+            self.two_level = choice.two_level
+            return
+        if form is not self._running or not self._state_fits:
+            self._switch(form, engine)
+        self._trial.begin(time.perf_counter())
 
-        def run(two_level: bool) -> None:
-            comm = self.comm if two_level else flat_comm
-            with torch.no_grad():
-                for flat, layout, state in runs:
-                    self.algorithm.reduce(flat.clone(), layout, state, comm)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+    def _slowest(self, values: Sequence[float]) -> list[float]:
+        values = torch.tensor(values, dtype=torch.float64, device=self._device)
+        return self.comm.allreduce(values, ReduceOp.MAX).tolist()
 
-        def slowest(values: Sequence[float]) -> list[float]:
-            return flat_comm.allreduce(torch.tensor(values, dtype=torch.float64, device=device), ReduceOp.MAX).tolist()
-
-        self._set(choose_form(run, slowest, type(self.algorithm).__name__).two_level)
+    def _switch(self, two_level: bool, engine) -> None:
+        self.comm.use_nodes(two_level)
+        other = self._running is not None and two_level is not self._running
+        if self.algorithm.state_follows_form and (other or not self._state_fits):
+            engine.restart_state()
+        self._running, self._state_fits = two_level, True
 
     def save(self, state: dict) -> dict:
         return state if self.two_level is None or not self.measured else {**state, FORM_KEY: self.two_level}
@@ -75,7 +95,9 @@ class NodeForm:
             log.info("bagua_x: %s runs %s, as in the loaded algorithm state", type(self.algorithm).__name__,
                      "over nodes" if form else "flat")
             self._set(bool(form))
-        elif form is not None:
+        elif self.measured:  # saved during a trial, in a form not recorded
+            self._state_fits = False
+        if form is not None and not self.measured:
             log.warning("bagua_x: the loaded algorithm state ran %s by measurement, but here %s runs in the form "
                         "its hierarchical= setting and the node layout give; keeping that",
                         "over nodes" if form else "flat", type(self.algorithm).__name__)
@@ -85,11 +107,3 @@ class NodeForm:
         self.two_level = two_level
         self.comm.use_nodes(two_level)
 
-
-def _throwaway(algorithm: Algorithm, bucket: Bucket, world_size: int):
-    """A copy of ``bucket``'s values laid out as the algorithm needs them, its layout, and fresh state."""
-    source = bucket.layout
-    layout = BucketLayout(source.names, [s.shape for s in source.slots], source.dtype, algorithm.alignment(world_size))
-    flat = torch.zeros(layout.padded_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
-    flat[:layout.numel].copy_(bucket.buffer.reshape(-1)[:layout.numel])
-    return flat, layout, algorithm.init(flat, layout, world_size)

@@ -81,7 +81,7 @@ class DistributedModel(torch.nn.Module):
                                 static_graph=static_graph)
         self._engine: Engine = _engine_class(algorithm)(list(module.named_parameters()), algorithm, self.comm,
                                                           options=options)
-        self._form = NodeForm(algorithm, self.comm)  # hierarchical=None on nodes: timed at the first forward
+        self._form = NodeForm(algorithm, self.comm)  # hierarchical=None on nodes: the first steps are timed
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -92,8 +92,8 @@ class DistributedModel(torch.nn.Module):
         # communication still in flight ends first: the buffer broadcast below must not share the
         # process group with it from another thread (the ranks could pair collectives differently)
         self._engine.settle()
-        if self._form.pending:
-            self._form.choose(self._engine.buckets)
+        if self._form.pending and torch.is_grad_enabled() and self._engine.enabled:  # a training step starts
+            self._form.at_step(self._engine)
         if self._buffers_to_sync and self._sync_buffers_next:
             broadcast_tensors(self._buffers_to_sync, self.process_group, timeout=self.timeout)
         self._engine.before_forward()
@@ -221,9 +221,10 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
             torchrun's ``LOCAL_WORLD_SIZE``); every rank must see the same
             setting and node layout, else all raise the same BaguaXError before
             any node group is made.  On >= 2 nodes of >= 2 ranks,
-            ``hierarchical=None`` takes the faster form, timed at the first
-            forward on copies of the buckets; ``algorithm_state_dict()`` keeps
-            the choice and a load restores it (:mod:`.node_form`).
+            ``hierarchical=None`` takes the faster form, timed over the first
+            10 training steps, which alternate the forms;
+            ``algorithm_state_dict()`` keeps the choice and a load restores it
+            (:mod:`.node_form`).
 
     Returns:
         The wrapped model: call it like the model; ``.module`` is the model.

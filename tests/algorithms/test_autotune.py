@@ -50,3 +50,58 @@ def test_rounds_alternate_the_forms_after_one_warm_up_each():
     calls = []
     choose_on_4_ranks({}, calls)
     assert calls == [False, True] * (1 + ROUNDS)
+
+
+def trial_on_4_ranks(step_seconds):
+    """Each rank runs StepTrial's plan, its steps taking ``step_seconds(rank, two_level)`` (no sleeping: the clock
+    is advanced by hand); returns every rank's choice and the forms its steps ran in."""
+    from bagua_x.core.autotune import StepTrial
+
+    def fn(comm):
+        trial, now, forms = StepTrial(), 0.0, []
+        while True:
+            trial.end(now)
+            form = trial.form()
+            if form is None:
+                break
+            now += 0.5  # a switch's own cost, which is not timed
+            trial.begin(now)
+            forms.append(form)
+            now += step_seconds(comm.rank, form)
+
+        def slowest(values):
+            return comm.allreduce(np.asarray(values, np.float64), ReduceOp.MAX).tolist()
+
+        return trial.choose(slowest, "LowPrecisionDecentralized"), forms
+
+    return run(4, fn, timeout=30)[0]
+
+
+@pytest.mark.parametrize("two_level", [True, False])
+def test_step_trial_takes_the_form_of_the_slowest_ranks_median_step(two_level, caplog):
+    def seconds(rank, form):  # ranks 0, 1 alone would choose one form, ranks 2, 3 the other
+        slow = {(0, not two_level): 0.3, (1, not two_level): 0.3, (2, two_level): 0.2, (3, two_level): 0.2}
+        return 0.1 + slow.get((rank, form), 0.0)
+
+    with caplog.at_level(logging.INFO, logger="bagua_x"):
+        results = trial_on_4_ranks(seconds)
+    choices = [c for c, _ in results]
+    assert len(set(choices)) == 1, choices
+    choice = choices[0]
+    assert choice.two_level is two_level
+    assert (choice.two_level_seconds, choice.flat_seconds)[::1 if two_level else -1] == pytest.approx((0.3, 0.4))
+    logged = {r.getMessage() for r in caplog.records if "by measurement" in r.getMessage()}
+    assert logged == {f"bagua_x: LowPrecisionDecentralized runs {'over nodes' if two_level else 'flat'}, by "
+                      f"measurement: a training step took {choice.flat_seconds * 1e3:.2f} ms flat and "
+                      f"{choice.two_level_seconds * 1e3:.2f} ms over nodes (median of 4 steps each, slowest rank)"}
+
+
+def test_step_trial_plan_warms_each_form_then_alternates_blocks_and_times_only_those():
+    from bagua_x.core.autotune import StepTrial
+
+    results = trial_on_4_ranks(lambda rank, form: 1.0 if form else 2.0)
+    _, forms = results[0]
+    assert forms == [False, True] + ([False] * StepTrial.BLOCK + [True] * StepTrial.BLOCK) * StepTrial.ROUNDS
+    assert len(forms) == StepTrial().steps == 10
+    choice = results[0][0]
+    assert (choice.flat_seconds, choice.two_level_seconds) == (2.0, 1.0)  # switch time excluded

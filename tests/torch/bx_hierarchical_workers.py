@@ -188,9 +188,11 @@ class _Records:
         self.logger.setLevel(self.level)
 
 
-def _train_measured(algorithm, rank: int, steps, delays: dict, seed: int, load=None, save=None, stop=None):
-    """Train the small model of :func:`training` with ``algorithm`` (delays cleared after the first forward);
-    returns (over nodes?, the log, params), saving the checkpoint to ``save`` after ``stop`` steps."""
+def _train_measured(algorithm, rank: int, steps, delays: dict, seed: int, load=None, save=None, stop=None,
+                    seen=None):
+    """Train the small model of :func:`training` with ``algorithm`` (delays cleared once the trial's steps are
+    over); returns (over nodes?, the log, params), saving the checkpoint to ``save`` after ``stop`` steps.
+    ``seen``: a dict that gets the parameters each step's forward starts from, by step."""
     import torch
     import torch.nn.functional as F
 
@@ -203,6 +205,13 @@ def _train_measured(algorithm, rank: int, steps, delays: dict, seed: int, load=N
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    from bagua_x.core.autotune import StepTrial
+
+    if seen is not None:
+        def note(m, _):
+            seen[len(seen)] = [p.detach().clone().numpy() for p in m.parameters()]
+
+        model.register_forward_pre_hook(note)
     with _Records() as messages:
         wrapped = bxt.wrap(model, opt, algorithm=algorithm)
         if load is not None:
@@ -210,10 +219,11 @@ def _train_measured(algorithm, rank: int, steps, delays: dict, seed: int, load=N
             wrapped.load_state_dict(saved["model"])
             opt.load_state_dict(saved["optimizer"])
             wrapped.load_algorithm_state_dict(saved["algorithm"])
-        for s in steps:
+        for i, s in enumerate(steps):
             opt.zero_grad()
             loss = F.mse_loss(wrapped(xs[s]), ys[s])
-            delays.clear()
+            if i >= StepTrial().steps:  # this run's trial (if any) was decided at this forward
+                delays.clear()
             loss.backward()
             opt.step()
             if s + 1 == stop:
@@ -224,9 +234,9 @@ def _train_measured(algorithm, rank: int, steps, delays: dict, seed: int, load=N
     return two_level, list(messages), [p.detach().clone().numpy() for p in model.parameters()]
 
 
-def measured(name: str, delays: dict, steps: int = 6):
-    """``name`` (ByteGrad or LowPrecisionDecentralized) at hierarchical=None, slowed by ``delays`` while timed; and
-    the same training with the chosen form forced (the reference), and with each form forced (no timing)."""
+def measured(name: str, delays: dict, steps: int = 12):
+    """``name`` (ByteGrad or LowPrecisionDecentralized) at hierarchical=None, slowed by ``delays`` while timed
+    (the parameters each forward starts from in ``seen``); and the same training with each form forced."""
     import dataclasses
 
     import torch.distributed as dist
@@ -237,8 +247,10 @@ def measured(name: str, delays: dict, steps: int = 6):
     rank = dist.get_rank()
     base = getattr(algorithms, name)()
     slowed = dict(delays)
-    two_level, messages, params = _train_measured(_slowed(base, slowed), rank, range(steps), slowed, rank)
-    out = {"two_level": two_level, "messages": messages, "params": params}
+    seen = {}
+    two_level, messages, params = _train_measured(_slowed(base, slowed), rank, range(steps), slowed, rank,
+                                                  seen=seen)
+    out = {"two_level": two_level, "messages": messages, "params": params, "seen": seen}
     for setting in (True, False):
         out[setting] = _train_measured(dataclasses.replace(base, hierarchical=setting), rank, range(steps), {}, rank)
     dist.destroy_process_group()
@@ -258,7 +270,7 @@ def measured_resume(name: str, first: dict, second: dict, total: int, k: int, pa
     rank = dist.get_rank()
     base = getattr(algorithms, name)()
     file = os.path.join(path, f"rank{rank}.pt")
-    slowed = dict(first)  # the delays stay on through the first forward: _train_measured clears them after it
+    slowed = dict(first)  # the delays stay on through the trial: _train_measured clears them after it
     out = {"full": _train_measured(_slowed(base, slowed), rank, range(total), slowed, rank)}
     slowed = dict(first)
     _train_measured(_slowed(base, slowed), rank, range(k), slowed, rank, save=file, stop=k)

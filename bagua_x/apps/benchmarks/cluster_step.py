@@ -7,8 +7,8 @@ Every rank (launched by torchrun inside its node's network namespace) builds
 a model of ``torch_zoo.py`` (``--model``, as ``torch_vs_ddp.py`` does; QAdam against
 DDP + Adam) once per system: DDP, then each algorithm with
 ``hierarchical=False`` (``flat``), ``True`` (``hierarchical``) and at its
-default ``None`` (``default``: the faster of the two, timed at the first
-forward, during the warm-up; ModelAverage has no hierarchical variant, so it
+default ``None`` (``default``: the faster of the two, timed over its first
+10 steps, during its warm-up; ModelAverage has no hierarchical variant, so it
 runs flat only), and
 the model with no communication at all (``compute``: the floor
 any algorithm can reach while the ranks share the machine's cores).  The systems run in interleaved rounds, the order reversed every
@@ -63,6 +63,7 @@ def main():
     import torch
     import torch.distributed as dist
 
+    from bagua_x.core.autotune import StepTrial
     from bagua_x.core.comm import Feature
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,8 +92,9 @@ def main():
               for mode in (("flat",) if a in FLAT_ONLY else ("flat", "hierarchical", "default"))]
     systems = {n: build_system(n, rank, args.bucket_cap_mb, args.model) for n in names}
     times = {n: [] for n in names}
-    for model, opt in systems.values():
-        bench.timed(model, opt, x, y, args.warmup)
+    trial = StepTrial().steps + 1  # a default runs its trial of both forms and decides within its warm-up
+    for n, (model, opt) in systems.items():
+        bench.timed(model, opt, x, y, max(args.warmup, trial) if n.endswith("/default") else args.warmup)
     for round_ in range(args.rounds):
         for n in names if round_ % 2 == 0 else names[::-1]:
             times[n].append(bench.timed(*systems[n], x, y, args.steps))
