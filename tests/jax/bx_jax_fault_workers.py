@@ -111,6 +111,8 @@ def raising_step(how: str):
         def fail(x):
             raise ValueError("a host callback failed")
         return jax.jit(lambda x: jax.debug.callback(fail, x) or x)(np.ones(3))
+    # a process started with SIGINT ignored (inherited from a launcher) would never see the Ctrl-C
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C while the step runs
     time.sleep(30)
 

@@ -36,7 +36,6 @@ import torch
 
 from ...algorithms.base import Algorithm
 from ...core.bucket import Bucket
-from ...core.comm import ReduceOp
 from ...core.errors import BaguaXError
 from ...core.tensor import RegisteredTensor
 from ..checks import check_finite, non_finite_tensors
@@ -114,14 +113,6 @@ class BucketedEngine:
 
     def load_state_dict(self, saved: dict) -> None:
         load_states(self.slots, saved)
-
-    def restart_state(self) -> None:
-        """Every bucket's values become the ranks' average and its state starts afresh from them, as at set-up
-        (the algorithm changed form; collective, between steps: nothing in flight)."""
-        with torch.no_grad():
-            for slot in self.slots:
-                slot.bucket.buffer.copy_(self.comm.allreduce(slot.bucket.buffer.clone(), ReduceOp.AVG))
-                slot.state = self.algorithm.init(slot.bucket.buffer, slot.bucket.layout, self.comm.size)
 
     def close(self) -> None:
         self._worker.close()

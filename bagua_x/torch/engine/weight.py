@@ -35,6 +35,7 @@ import torch
 
 from ...algorithms.base import Algorithm, Phase, Target
 from ...core.bucket import Bucket
+from ...core.comm import ReduceOp
 from ...core.errors import BaguaXError
 from .. import streams
 from ..communicator import TorchCommunicator
@@ -127,6 +128,15 @@ class WeightEngine(BucketedEngine):
         for slot in self.slots:
             self._submit(slot, self._weights(slot.bucket))  # _weights on this thread: it may re-point replaced ones
         self._worker.wait()  # the next forward's kernels wait for the exchange
+
+    def restart_state(self) -> None:
+        """Every bucket's weights become the ranks' average and its state starts afresh from them, as at set-up
+        (the algorithm changed form: see ``Algorithm.state_follows_form``; collective, between steps)."""
+        with torch.no_grad():
+            for slot in self.slots:
+                weights = self._weights(slot.bucket)
+                weights.copy_(self.comm.allreduce(weights.clone(), ReduceOp.AVG))
+                slot.state = self.algorithm.init(weights, slot.bucket.layout, self.comm.size)
 
     @staticmethod
     def _weights(bucket: Bucket) -> torch.Tensor:
