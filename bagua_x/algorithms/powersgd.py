@@ -190,7 +190,7 @@ class PowerSGD(Algorithm):
                 a resume through the comm hook) compute bitwise the same."""
                 end = m.offset + m.rows * m.cols
                 x = flat[m.offset : end] + e[m.offset : end] if self.use_error_feedback else xp.asarray(
-                    flat[m.offset : end], copy=True)
+                    flat[m.offset : end], copy=True, device=array_api_compat.device(flat))
                 return xp.reshape(x, (m.rows, m.cols))
 
             pieces, fed_back = {}, {}  # bucket offset -> reduced values, and -> the values reduced (g + e)

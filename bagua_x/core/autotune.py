@@ -64,11 +64,16 @@ def choose_form(run: Callable[[bool], None], slowest: Callable[[Sequence[float]]
             start = time.perf_counter()
             run(two_level)
             times[two_level].append(time.perf_counter() - start)
+    return _decide(times, slowest, what, "one reduce of every bucket", f"{ROUNDS} rounds")
+
+
+def _decide(times: dict[bool, list[float]], slowest: Callable[[Sequence[float]], Sequence[float]], what: str,
+            timed: str, count: str) -> FormChoice:
+    """The form with the smaller median time at the slowest rank (collective; flat on a tie), logged."""
     flat, two = (float(t) for t in slowest([statistics.median(times[False]), statistics.median(times[True])]))
     choice = FormChoice(two < flat, flat, two)
-    log.info("bagua_x: %s runs %s, by measurement: one reduce of every bucket took %.2f ms flat and %.2f ms over "
-             "nodes (median of %d rounds, slowest rank)", what, "over nodes" if choice.two_level else "flat",
-             flat * 1e3, two * 1e3, ROUNDS)
+    log.info("bagua_x: %s runs %s, by measurement: %s took %.2f ms flat and %.2f ms over nodes (median of %s, "
+             "slowest rank)", what, "over nodes" if choice.two_level else "flat", timed, flat * 1e3, two * 1e3, count)
     return choice
 
 
@@ -119,10 +124,4 @@ class StepTrial:
 
     def choose(self, slowest: Callable[[Sequence[float]], Sequence[float]], what: str) -> FormChoice:
         """The faster form by the slowest rank's median step (collective, as :func:`choose_form`); logged."""
-        flat, two = (float(t) for t in slowest([statistics.median(self.times[False]),
-                                                 statistics.median(self.times[True])]))
-        choice = FormChoice(two < flat, flat, two)
-        log.info("bagua_x: %s runs %s, by measurement: a training step took %.2f ms flat and %.2f ms over nodes "
-                 "(median of %d steps each, slowest rank)", what, "over nodes" if choice.two_level else "flat",
-                 flat * 1e3, two * 1e3, len(self.times[False]))
-        return choice
+        return _decide(self.times, slowest, what, "a training step", f"{len(self.times[False])} steps each")

@@ -69,18 +69,17 @@ def side(device: torch.device, name: str) -> Stream:
 
 def record(stream: Stream) -> Optional[Any]:
     """An event marking the work queued on ``stream`` so far (None on the CPU)."""
-    _trace("record", stream)
-    if stream.cuda is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(stream.cuda)
-    return event
+    return _event(stream, "record")
 
 
 def mark(stream: Stream) -> Optional[Any]:
     """:func:`record`, called by a thread that does not queue work on ``stream`` (traced as "mark"): the
     training thread marking how far the communication it waited for goes, to bound its run-ahead."""
-    _trace("mark", stream)
+    return _event(stream, "mark")
+
+
+def _event(stream: Stream, op: str) -> Optional[Any]:
+    _trace(op, stream)
     if stream.cuda is None:
         return None
     event = torch.cuda.Event()
