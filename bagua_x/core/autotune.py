@@ -16,7 +16,7 @@ does not make the others wait inside their next timed one.
 Two ways to time: :func:`choose_form` runs one reduce of every bucket in each
 form, on copies (JAX, at ``wrap``: nothing of training changes);
 :class:`StepTrial` times the first training steps themselves in each form
-(torch).  A reduce alone misses what a form costs the rest of the step: on
+(torch; JAX through ``dp.step``, after the reduce timing at ``wrap``).  A reduce alone misses what a form costs the rest of the step: on
 CPU nodes, LowPrecisionDecentralized over nodes reduced faster alone and made
 whole steps slower (the in-node stages compete with compute for the cores).
 """

@@ -1,25 +1,42 @@
 """``hierarchical=None`` on >= 2 nodes of >= 2 devices: flat or over nodes, chosen by timing both.
 
-At ``wrap`` (every process calls it), both forms of the algorithm's
-``reduce`` are compiled under ``pmap`` over all devices -- the axis and node
-groups of a pmapped step -- on zero buckets of the real shapes and dtypes
-with throwaway state from ``init``, timed, and every process takes the form
-the slowest device's times favour (:func:`~bagua_x.core.autotune.choose_form`).
+Two timings, as in torch (:mod:`~bagua_x.core.autotune`):
 
-The choice is a leaf of each bucket's state: where it was measured, a bucket's
-state is a :class:`MeasuredState` (the form, int32: 1 over nodes, 0 flat; and the algorithm's state),
-and the step runs the form that leaf names
-(:func:`run_in_form`: ``lax.switch`` between the two forms, both compiled
-into the step).  So a state restored from a checkpoint runs the form it was
-built in, whatever this wrap measured: LowPrecisionDecentralized's neighbour
-estimates are of devices in one form and of nodes in the other, and a resume
-continues bitwise.  Under ``shard_map`` there are no node groups: the leaf is
-carried and the step runs flat.
+* At ``wrap`` (every process calls it), both forms of the algorithm's
+  ``reduce`` are compiled under ``pmap`` over all devices -- the axis and node
+  groups of a pmapped step -- on zero buckets of the real shapes and dtypes
+  with throwaway state from ``init``, timed, and every process takes the form
+  the slowest device's times favour (:func:`~bagua_x.core.autotune.choose_form`).
+  That is the form ``init`` puts in the state.
+* Through :meth:`DataParallel.step <bagua_x.jax.wrap.DataParallel.step>`
+  (:class:`StepForms`), the first 10 training steps are a trial of whole
+  steps in each form (:class:`~bagua_x.core.autotune.StepTrial`), which decides
+  in place of the reduce timing: a reduce alone misses what a form costs the
+  rest of the step (LowPrecisionDecentralized on CPU nodes reduced faster over
+  nodes alone and trained faster flat).  Without ``dp.step`` bagua_x never sees
+  the step loop, so the reduce timing stands.
+
+The form is a leaf of each bucket's state: where it is measured, a bucket's
+state is a :class:`MeasuredState` (an int32 code and the algorithm's state),
+and the step runs the form the code names (:func:`run_in_form`:
+``lax.switch`` between the two forms, both compiled into the step), so a
+trial switches forms by changing a leaf of the step's input, with no new
+compile.  The code also says whether a trial may still change the form
+(``UNDECIDED``: ``init``'s; a trial's decision clears it), so a state restored
+from a checkpoint taken after the decision runs its form, bitwise, whatever
+this process measured; one taken before is timed again.  An algorithm whose
+state refers to the peers of one form (``state_follows_form``:
+LowPrecisionDecentralized's neighbour estimates are of devices in one form and
+of nodes in the other) is restarted at a switch (``RESTART``, cleared by the
+step): the weights become the devices' average and the state starts afresh
+from them, as at ``init``.  Under ``shard_map`` there are no node groups: the
+code is carried, the step runs flat and ``dp.step`` runs no trial.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
@@ -28,19 +45,25 @@ import numpy as np
 from jax import lax
 
 from ..algorithms import Algorithm
-from ..core.autotune import choose_form
+from ..core.autotune import StepTrial, choose_form
 from ..core.bucket import BucketLayout
-from ..core.comm import Feature
+from ..core.comm import Feature, ReduceOp
 from .communicator import AxisCommunicator
 
-__all__ = ["MeasuredState", "measured_form", "run_in_form", "with_form"]
+__all__ = ["MeasuredState", "StepForms", "measured_form", "run_in_form", "with_form",
+           "OVER_NODES", "UNDECIDED", "RESTART"]
 
 log = logging.getLogger(__name__)
 
-class MeasuredState(NamedTuple):
-    """A bucket's state where the form was measured: the form as a leaf, so a checkpoint keeps it."""
+OVER_NODES = 1  # bit of MeasuredState.hierarchical: the form the step runs (0: flat)
+UNDECIDED = 2  # bit: the form comes from the reduce timing at wrap; a trial of steps (dp.step) may change it
+RESTART = 4  # bit: average the weights and restart the state before this step (a switch; the step clears it)
 
-    hierarchical: Any  # int32 scalar: 1 over nodes, 0 flat
+
+class MeasuredState(NamedTuple):
+    """A bucket's state where the form is measured: the form's code as a leaf, so a checkpoint keeps it."""
+
+    hierarchical: Any  # int32 scalar: OVER_NODES | UNDECIDED | RESTART bits
     state: Any  # the algorithm's own state
 
 
@@ -57,32 +80,149 @@ def measured_form(algorithm: Algorithm, layouts: Sequence[BucketLayout], axis_na
                  "over all of them has; it runs over nodes where the step has node groups",
                  type(algorithm).__name__, world_size, jax.device_count())
         return None
-    return choose_form(*_timing(algorithm, layouts, axis_name, local), type(algorithm).__name__).two_level
+    run = _timing(algorithm, layouts, axis_name, local)
+    return choose_form(run, slowest_over_devices(axis_name), type(algorithm).__name__).two_level
 
 
 def with_form(states: tuple, two_level: Optional[bool]) -> tuple:
-    """Bucket states with the measured form beside them (unchanged where it was not measured)."""
+    """Bucket states with the measured form beside them, undecided (unchanged where it was not measured)."""
     if two_level is None:
         return states
-    return tuple(MeasuredState(jnp.asarray(1 if two_level else 0, jnp.int32), st) for st in states)
+    code = UNDECIDED | (OVER_NODES if two_level else 0)
+    return tuple(MeasuredState(jnp.asarray(code, jnp.int32), st) for st in states)
 
 
-def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, comm: AxisCommunicator) -> tuple:
-    """``fn(*args, layout, state, comm)`` in the form a :class:`MeasuredState` names (plainly for any other state)."""
+def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, comm: AxisCommunicator,
+                algorithm: Algorithm) -> tuple:
+    """``fn(*args, layout, state, comm)`` in the form a :class:`MeasuredState` names (plainly for any other state).
+
+    First, where the code asks for a restart (a switch of a ``state_follows_form`` algorithm, a weight
+    algorithm: ``args[0]`` is its weights), the weights become the average over the axis and the state
+    ``algorithm.init`` of them.
+    """
     if not isinstance(state, MeasuredState):
         return fn(*args, layout, state, comm)
-    inner = state.state
+    code, inner, args = state.hierarchical, state.state, tuple(args)
+    flat = AxisCommunicator(comm.axis_name, comm.size)  # one node: no groups
+    if algorithm.state_follows_form:
+        def restart(operand):
+            (x, *rest), _ = operand
+            x = flat.allreduce(x, ReduceOp.AVG).astype(x.dtype)
+            return (x, *rest), algorithm.init(x, layout, comm.size)
+
+        args, inner = lax.cond(code & RESTART != 0, restart, lambda operand: operand, (args, inner))
     if Feature.HIERARCHICAL not in comm.features:  # shard_map, or the axis does not split into nodes: flat only
         out, inner = fn(*args, layout, inner, comm)
     else:
-        flat = AxisCommunicator(comm.axis_name, comm.size)  # one node: no groups
-        out, inner = comm.switch(state.hierarchical, [lambda a: fn(*a, layout, inner, flat),
-                                                   lambda a: fn(*a, layout, inner, comm)], tuple(args))
-    return out, MeasuredState(state.hierarchical, inner)
+        out, inner = comm.switch(code & OVER_NODES, [lambda a: fn(*a, layout, inner, flat),
+                                                     lambda a: fn(*a, layout, inner, comm)], args)
+    return out, MeasuredState(code & ~RESTART, inner)
 
 
-def _timing(algorithm: Algorithm, layouts: Sequence[BucketLayout], axis_name, local: int):
-    """``run(two_level)`` and ``slowest(values)`` for :func:`~bagua_x.core.autotune.choose_form`."""
+class StepForms:
+    """``dp.step``'s trial: its first steps alternate the forms, timed, then every process keeps the faster.
+
+    The forms are switched by writing the code of every :class:`MeasuredState`
+    in the step's arguments (:class:`~bagua_x.core.autotune.StepTrial`'s plan;
+    with ``RESTART`` where the algorithm's state follows the form); the time of
+    a step is its call through ``dp.step``, which waits for its results
+    (:meth:`before`, the call, :meth:`after`).  No
+    trial where the arguments hold no measured state (say so), where they hold
+    a decided one (restored: keep it), or where the traced step has no node
+    groups (``shard_map``: it runs flat).
+    """
+
+    def __init__(self, algorithm: Algorithm, axis_name):
+        self.algorithm, self.axis_name = algorithm, axis_name
+        self.done = False
+        #: set while the step is traced: whether it holds both forms (node groups); None: not traced yet
+        self.forms_in_step: Optional[bool] = None
+        self._trial = StepTrial()
+        self._running: Optional[int] = None  # the form the states passed last were run in
+
+    def before(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args, kwargs`` with the form of the step about to run written into their measured states."""
+        name = type(self.algorithm).__name__
+        codes = _codes((args, kwargs))
+        if self._running is None:  # the first step through dp.step
+            if not codes:
+                return self._stop("%s keeps the form timed at wrap: the arguments of dp.step's function hold no "
+                                  "bagua_x state to switch the form in", name, args, kwargs)
+            code = _read(codes[0])
+            if not code & UNDECIDED:
+                return self._stop("%s runs %s, as in the state passed to dp.step (decided before)", name, args,
+                                  kwargs, "over nodes" if code & OVER_NODES else "flat")
+            self._running = code & OVER_NODES
+        elif self.forms_in_step is False:
+            return self._stop("%s runs flat: the step has no node groups (shard_map), so the forms are not timed",
+                              name, args, kwargs)
+        form = self._trial.form()
+        if form is None:
+            form = int(self._trial.choose(slowest_over_devices(self.axis_name), name).two_level)
+            self.done, code = True, form
+        else:
+            form = int(form)
+            code = UNDECIDED | form
+        if self.algorithm.state_follows_form and form != self._running:
+            code |= RESTART
+        self._running = form
+        args, kwargs = _write((args, kwargs), code)
+        if not self.done:
+            self._trial.begin(time.perf_counter())
+        return args, kwargs
+
+    def after(self) -> None:
+        """The step started by the last :meth:`before` has finished (its results are ready)."""
+        self._trial.end(time.perf_counter())
+
+    def _stop(self, message: str, name: str, args: tuple, kwargs: dict, *more) -> tuple[tuple, dict]:
+        log.info("bagua_x: " + message, name, *more)
+        self.done = True
+        return args, kwargs
+
+
+def _is_measured(x) -> bool:
+    return isinstance(x, MeasuredState)
+
+
+def _codes(tree) -> list:
+    """The code leaves of the measured states in ``tree``."""
+    return [m.hierarchical for m in jax.tree.leaves(tree, is_leaf=_is_measured) if _is_measured(m)]
+
+
+def _read(code) -> int:
+    """One device's value of a code leaf (a tiny transfer, once, allowed under a transfer guard)."""
+    with jax.transfer_guard("allow"):
+        shards = getattr(code, "addressable_shards", None)
+        return int(np.asarray(shards[0].data if shards else code).reshape(-1)[0])
+
+
+def _write(tree, code: int):
+    """``tree`` with every measured state's code set to ``code``, placed as the old one (no new compile)."""
+    def put(old):
+        value = np.full(np.shape(old), code, np.int32)
+        if isinstance(old, jax.Array):
+            return jax.make_array_from_callback(old.shape, old.sharding, lambda index: value[index])
+        return value
+
+    return jax.tree.map(lambda m: m._replace(hierarchical=put(m.hierarchical)) if _is_measured(m) else m, tree,
+                        is_leaf=_is_measured)
+
+
+def slowest_over_devices(axis_name) -> Callable[[Sequence[float]], list[float]]:
+    """``slowest(values)``: each value's maximum over every device of every process (a pmap: collective)."""
+    devices = jax.local_device_count()
+    maximum = jax.pmap(lambda t: lax.pmax(t, axis_name), axis_name=axis_name)
+
+    def slowest(values: Sequence[float]) -> list[float]:
+        out = maximum(np.tile(np.asarray(values, np.float32), (devices, 1)))
+        return np.asarray(out.addressable_shards[0].data).reshape(-1).tolist()
+
+    return slowest
+
+
+def _timing(algorithm: Algorithm, layouts: Sequence[BucketLayout], axis_name, local: int) -> Callable[[bool], None]:
+    """``run(two_level)``, one reduce of every bucket in that form, for :func:`~bagua_x.core.autotune.choose_form`."""
     devices, world = jax.local_device_count(), jax.device_count()
     per_device = lambda a: np.broadcast_to(np.asarray(a), (devices, *np.shape(a)))  # noqa: E731
     flats = [np.zeros((devices, lay.padded_numel), lay.dtype) for lay in layouts]
@@ -96,14 +236,8 @@ def _timing(algorithm: Algorithm, layouts: Sequence[BucketLayout], axis_name, lo
         return jax.pmap(body, axis_name=axis_name)
 
     programs = {form: program(form) for form in (False, True)}
-    maximum = jax.pmap(lambda t: lax.pmax(t, axis_name), axis_name=axis_name)
 
     def run(two_level: bool) -> None:
         jax.block_until_ready(programs[two_level](flats, states))
 
-    def slowest(values: Sequence[float]) -> list[float]:
-        out = maximum(np.tile(np.asarray(values, np.float32), (devices, 1)))
-        return np.asarray(out.addressable_shards[0].data).reshape(-1).tolist()
-
-    return run, slowest
-
+    return run

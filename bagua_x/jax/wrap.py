@@ -36,7 +36,7 @@ from ..core.validation import describe
 from .checks import FiniteCheck, check_leaf_dtype, check_registrable
 from .communicator import AxisCommunicator, default_local_size
 from .distributed import check_same_across_processes, heartbeat_timeout
-from .node_form import measured_form, run_in_form, with_form
+from .node_form import StepForms, measured_form, run_in_form, with_form
 from .placement import replicate as _replicate
 from .placement import unreplicate as _unreplicate
 from .watchdog import StepWatchdog
@@ -132,6 +132,8 @@ class DataParallel:
         # hierarchical=None on nodes: flat or over nodes, timed here (every process wraps); None: not measured
         self._two_level = measured_form(self.algorithm, self.layouts, axis_name, self.world_size,
                                         devices_per_node or min(default_local_size(), self.world_size))
+        # then, through dp.step, a trial of whole training steps decides
+        self._forms = StepForms(self.algorithm, axis_name) if self._two_level is not None else None
         logger.info(
             "bagua_x.jax.wrap: %d leaves in %d buckets, %s, world size %d%s",
             len(flat), len(self.bucket_leaves), self.algorithm.hyperparameters(), self.world_size,
@@ -264,27 +266,42 @@ class DataParallel:
         naming the step and the processes that never arrived; any other
         exception, Ctrl-C included, ends the step and reaches the caller unchanged;
         with ``check_finite=True`` a non-finite reduction raises its BaguaXError
-        (instead of JAX's ``JaxRuntimeError`` around it).  Without either it
+        (instead of JAX's ``JaxRuntimeError`` around it).
+
+        Where ``wrap`` measured the form (``hierarchical=None`` on node groups),
+        the first 10 steps through it are a trial: it switches the form in the
+        bagua_x states among ``fn``'s arguments, times each step, and then
+        keeps the form the slowest process's median step favours, logged
+        (:class:`~.node_form.StepForms`).  Without a watchdog or a trial it
         returns ``fn`` unchanged.
         """
         watchdog = self._watchdog
-        if watchdog is None:
+        if watchdog is None and self._forms is None:
             return fn
 
         @functools.wraps(fn)
         def guarded(*args, **kwargs):
-            step = watchdog.enter()
+            forms = self._forms if self._forms is not None and not self._forms.done else None
+            if forms is not None:
+                args, kwargs = forms.before(args, kwargs)
+            step = watchdog.enter() if watchdog is not None else None
             try:
                 out = jax.block_until_ready(fn(*args, **kwargs))
             except Exception as e:
+                if watchdog is None:
+                    raise
                 error = self._step_failed(watchdog, step, e)
                 if error is None:
                     raise
                 raise error from e
             except BaseException:  # Ctrl-C (KeyboardInterrupt), SystemExit: the step is over, nothing to report
-                watchdog.leave()
+                if watchdog is not None:
+                    watchdog.leave()
                 raise
-            watchdog.leave()
+            if watchdog is not None:
+                watchdog.leave()
+            if forms is not None:
+                forms.after()
             return out
 
         return guarded
@@ -391,6 +408,8 @@ class DataParallel:
                 f"{where}: {self.algorithm!r} asks for hierarchical=True, but {comm.node_problem()}; or pass "
                 "hierarchical=None (two levels where there are node groups, else flat) or hierarchical=False"
             )
+        if self._forms is not None:  # tracing: whether the step holds both forms, for dp.step's trial
+            self._forms.forms_in_step = Feature.HIERARCHICAL in comm.features
         leaves = [self._leaves(t, where, floats=True) for t in trees]
         if not isinstance(state, (tuple, list)) or len(state) != len(self.bucket_leaves):
             raise BaguaXError(
@@ -402,7 +421,7 @@ class DataParallel:
             if not self.pack_buckets:
                 for i in bucket:  # one leaf is a bucket of its own
                     leaf = BucketLayout([self.names[i]], [self._shapes[i]], str(self._dtypes[i]))
-                    out[i], st = run_in_form(fn, [ls[i] for ls in leaves], leaf, st, comm)
+                    out[i], st = run_in_form(fn, [ls[i] for ls in leaves], leaf, st, comm, self.algorithm)
             else:
                 if layout.padded_numel % self.algorithm.alignment(comm.size):
                     raise BaguaXError(
@@ -411,7 +430,7 @@ class DataParallel:
                         f"size {comm.size}; pass world_size={comm.size} to wrap"
                     )
                 flats = [layout.pack([ls[i] for i in bucket], xp=jnp) for ls in leaves]
-                flat, st = run_in_form(fn, flats, layout, st, comm)
+                flat, st = run_in_form(fn, flats, layout, st, comm, self.algorithm)
                 for i, value in zip(bucket, layout.unpack(flat, xp=jnp)):
                     out[i] = value.astype(self._dtypes[i])
             new_state.append(st)
@@ -463,8 +482,10 @@ def wrap(
             ``LOCAL_WORLD_SIZE``), which run in two levels under ``pmap`` with
             >= 2 nodes.  With >= 2 devices per node, ``hierarchical=None`` takes
             the faster form: ``wrap`` times both under ``pmap`` (a few reduces of
-            zero buckets, compiled for each form) and the choice is part of the
-            state (``init``), so a restored state keeps its form (:mod:`.node_form`).
+            zero buckets, compiled for each form), then the first 10 steps through
+            :meth:`DataParallel.step` time whole steps in each and decide; the
+            choice is part of the state (``init``), so a restored state keeps its
+            form (:mod:`.node_form`).
             Where there are no node groups (``shard_map``: JAX has
             no grouped collectives there; a ``devices_per_node`` that does not
             divide the axis) the default ``hierarchical=None`` runs flat and

@@ -254,7 +254,7 @@ def measured_worker(name: str, first: dict, second: dict, total: int, k: int, di
         if delays is not None:
             delays.clear()  # the training step is traced without them
         state = dp.init_state()
-        return dp, messages, int(state[0].hierarchical) if isinstance(state[0], MeasuredState) else None
+        return dp, messages, int(state[0].hierarchical) & 1 if isinstance(state[0], MeasuredState) else None
 
     bxj.init_distributed()
     try:
@@ -272,6 +272,68 @@ def measured_worker(name: str, first: dict, second: dict, total: int, k: int, di
         resumable_pmap(wrap(base, dict(first))[0], params, x, y, 0, k, save=path)
         dp, messages, form = wrap(base, dict(second))
         out["resumed"] = (form, resumable_pmap(dp, make_params(1), x, y, k, total, load=path))
+    finally:
+        jax.distributed.shutdown()
+    return out
+
+
+# -- hierarchical=None: whole training steps through dp.step decide -------------------------------------------------
+
+def _codes(state) -> list[int]:
+    """The form codes of a pmap-layout bagua_x state (this process's device), one per bucket."""
+    import jax
+
+    from bagua_x.jax.node_form import MeasuredState
+
+    measured = [m for m in jax.tree.leaves(state, is_leaf=lambda m: isinstance(m, MeasuredState))
+                if isinstance(m, MeasuredState)]
+    return [int(_host_local(m.hierarchical)[0]) for m in measured]
+
+
+def trial_worker(name: str, at_wrap: dict, in_steps: dict, total: int, saves: tuple, directory: str) -> dict:
+    """``name`` at hierarchical=None trained through ``dp.step`` for ``total`` steps, one form slowed by
+    ``at_wrap`` while wrap times the reduce and by ``in_steps`` in the training step: per step, the codes in
+    the state and this process's params; the log; checkpoints at the steps in ``saves``.  Then, from each
+    checkpoint, a fresh wrap (timed as before) resumes to ``total``."""
+    import os
+
+    import jax
+
+    import bagua_x.jax as bxj
+    from bagua_x import algorithms
+    from bx_jax_workers import make_data, make_params, training_step
+
+    def train(params, x, y, start, load=None):
+        with _Records() as messages:
+            delays = dict(at_wrap)
+            dp = bxj.wrap(params, algorithm=_slowed(getattr(algorithms, name)(), delays))
+            delays.clear()
+            delays.update(in_steps)  # the step is traced at its first call, with these
+            tx, step = training_step(dp, LR)
+            f = dp.step(jax.pmap(step, axis_name="batch"))
+            carry = (dp.replicate(params), dp.replicate(tx.init(params)), dp.init())
+            if load is not None:
+                with np.load(load) as saved:
+                    leaves = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+                carry = jax.tree.unflatten(jax.tree.structure(carry), leaves)
+            steps = []
+            for s in range(start, total):
+                carry = f(*carry, x[s], y[s])
+                steps.append((_codes(carry[2]), [_host_local(a) for a in jax.tree.leaves(carry[0])]))
+                if load is None and s + 1 in saves:
+                    np.savez(os.path.join(directory, f"{s + 1}-{rank}.npz"),
+                             *[_host_local(a) for a in jax.tree.leaves(carry)])
+        return {"steps": steps, "messages": messages}
+
+    bxj.init_distributed()
+    try:
+        rank = jax.process_index()
+        params = make_params(0)
+        x, y = make_data(total, 4)
+        x, y = x[:, rank:rank + 1], y[:, rank:rank + 1]
+        out = {"full": train(params, x, y, 0)}
+        for k in saves:
+            out[k] = train(make_params(1), x, y, k, load=os.path.join(directory, f"{k}-{rank}.npz"))
     finally:
         jax.distributed.shutdown()
     return out

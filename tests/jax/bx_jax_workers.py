@@ -127,8 +127,9 @@ def bagua_pmap(dp, params, x, y, lr: float = 1e-2, chain: bool = False, traces: 
     return jax.tree.map(np.asarray, dp.unreplicate(p))
 
 
-def bagua_shard_map(dp, params, x, y, mesh, lr: float = 1e-2):
-    """The same training under jax.jit(jax.shard_map(...)) on ``mesh``, data sharded along "batch".
+def bagua_shard_map(dp, params, x, y, mesh, lr: float = 1e-2, through_step: bool = False):
+    """The same training under jax.jit(jax.shard_map(...)) on ``mesh``, data sharded along "batch" (called
+    through ``dp.step`` with ``through_step``).
 
     Gradient algorithms: params and optimizer state replicated (``P()``), the
     transformation chained.  Weight algorithms: params, optimizer state and
@@ -162,6 +163,8 @@ def bagua_shard_map(dp, params, x, y, mesh, lr: float = 1e-2):
     spec = P("batch") if per_device else P()
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec, P("batch"), P("batch"), P("batch")),
                               out_specs=(spec, spec, P("batch"))))
+    if through_step:
+        f = dp.step(f)
     p, o = dp.replicate(params, mesh, per_device), dp.replicate(tx.init(params), mesh, per_device)
     st = dp.init(mesh=mesh)
     data = NamedSharding(mesh, P("batch"))

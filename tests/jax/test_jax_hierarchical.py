@@ -157,17 +157,32 @@ def test_hierarchical_true_without_node_groups_is_refused():
                         r"pass hierarchical=None .*", got["pmap"]), got
 
 
-def test_a_measured_form_under_shard_map_runs_flat():
+def test_a_measured_form_under_shard_map_runs_flat(caplog):
     """wrap times the forms under pmap and puts the choice in the state; shard_map has no node groups, so the
-    step carries the choice and runs flat: bitwise the forced flat run."""
+    step carries the choice and runs flat: bitwise the forced flat run, and dp.step times no forms."""
     from bagua_x.jax.node_form import MeasuredState
 
     params = w.make_params(0)
     x, y = w.make_data(3, N)
     mesh = jax.make_mesh((N,), ("batch",))
     measured = wrap(params, algorithm=ByteGrad(), devices_per_node=LOCAL)
-    assert int(measured.init_state()[0].hierarchical) in (0, 1)
+    assert int(measured.init_state()[0].hierarchical) in (2, 3)  # UNDECIDED | the form timed at wrap
     flat = wrap(params, algorithm=ByteGrad(hierarchical=False), devices_per_node=LOCAL)
     assert not isinstance(flat.init_state()[0], MeasuredState)  # forced: not timed
     got, want = w.bagua_shard_map(measured, params, x, y, mesh), w.bagua_shard_map(flat, params, x, y, mesh)
     jax.tree.map(np.testing.assert_array_equal, got, want)
+    with caplog.at_level("INFO", logger="bagua_x"):
+        got = w.bagua_shard_map(measured, params, x, y, mesh, through_step=True)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    assert "bagua_x: ByteGrad runs flat: the step has no node groups (shard_map), so the forms are not timed" \
+        in caplog.messages, caplog.messages
+
+
+def test_dp_step_keeps_the_wrap_timing_where_its_function_takes_no_bagua_x_state(caplog):
+    """A step that closes over its bagua_x state gives the trial nothing to switch: it says so and stops."""
+    params = w.make_params(0)
+    dp = wrap(params, algorithm=ByteGrad(), devices_per_node=LOCAL)
+    with caplog.at_level("INFO", logger="bagua_x"):
+        assert dp.step(lambda a: a + 1)(1) == 2
+    assert ("bagua_x: ByteGrad keeps the form timed at wrap: the arguments of dp.step's function hold no bagua_x "
+            "state to switch the form in") in caplog.messages, caplog.messages

@@ -13,13 +13,15 @@ builds a model of ``jax_zoo.py`` once per system, as a pmapped training step
 applied unreduced: the floor any algorithm can reach while the ranks share
 the machine's cores), ``pmean`` (one ``lax.pmean`` per leaf, what a plain JAX
 program does), and each algorithm through ``bagua_x.jax.wrap`` at its
-defaults (on >= 2 nodes of >= 2 ranks, the faster of flat and two-level,
-timed at ``wrap``); GradientAllReduce is always among them, as the second
+defaults (on >= 2 nodes of >= 2 ranks, the faster of flat and two-level:
+timed at ``wrap``, then decided by the trial of 10 whole steps its
+``dp.step`` runs in the warm-up); GradientAllReduce is always among them, as the second
 baseline.  With ``--forms``, each algorithm that has a measured default also
 runs forced flat and forced two-level (``<name>/flat``, ``<name>/hierarchical``)
-beside it (``<name>``), to check the default's choice.  The systems run in interleaved rounds,
-the order reversed every other round, so all see the same machine load; rank
-0 prints the median step times as one JSON line.
+beside it (``<name>``), to check the default's choice.  Every step of every
+system waits for its results (as ``dp.step`` does).  The systems run in
+interleaved rounds, the order reversed every other round, so all see the
+same machine load; rank 0 prints the median step times as one JSON line.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy as np
 import bagua_x.jax as bxj
 from bagua_x.apps.benchmarks.shared import ALGORITHMS, JAX_MODELS, make_algorithm
 from bagua_x.apps.quiet import without_gloo_lines
+from bagua_x.core.autotune import StepTrial
 
 AXIS = "batch"
 
@@ -44,7 +47,8 @@ FORMS = {"flat": False, "hierarchical": True}
 
 
 def build_system(name: str, model: str, rank: int):
-    """A function ``carry -> carry`` doing one training step of system ``name``, and its first carry."""
+    """A function ``carry -> carry`` doing one training step of system ``name`` (finished on return), its first
+    carry, and whether it is a measured default (its first steps are ``dp.step``'s trial of the forms)."""
     import dataclasses
 
     import optax
@@ -60,11 +64,11 @@ def build_system(name: str, model: str, rank: int):
         return optax.softmax_cross_entropy_with_integer_labels(apply(p, x[0]), y[0]).mean()
 
     sgd = optax.sgd(0.01, momentum=0.9)
+    algorithm, _, form = name.partition("/")
     if name in ("compute", "pmean"):
         tx, dp, target, sync_first = sgd, None, None, False
         placed, state = jax.tree.map(lambda a: np.asarray(a)[None], params), ()
     else:
-        algorithm, _, form = name.partition("/")
         algorithm = make_algorithm(algorithm)
         if form:
             algorithm = dataclasses.replace(algorithm, hierarchical=FORMS[form])
@@ -90,7 +94,9 @@ def build_system(name: str, model: str, rank: int):
         return p, opt_state, state
 
     pstep = jax.pmap(step, axis_name=AXIS, donate_argnums=(0, 1, 2))
-    return lambda carry: pstep(*carry), (placed, jax.pmap(tx.init)(placed), state)
+    guarded = dp.step(pstep) if dp is not None else lambda *carry: jax.block_until_ready(pstep(*carry))
+    measured = dp is not None and not form and getattr(dp.algorithm, "hierarchical", False) is None
+    return lambda carry: guarded(*carry), (placed, jax.pmap(tx.init)(placed), state), measured
 
 
 def timed(step, carry, steps: int):
@@ -118,9 +124,10 @@ def run(args) -> dict:
         names += [f"{a}/{form}" for a in args.algorithms
                   if getattr(make_algorithm(a), "hierarchical", False) is None for form in FORMS]
     systems, carries = {}, {}
+    trial = StepTrial().steps + 1  # a measured default runs its trial of both forms and decides within its warm-up
     for name in names:
-        systems[name], carry = build_system(name, args.model, rank)
-        carries[name], _ = timed(systems[name], carry, args.warmup)
+        systems[name], carry, measured = build_system(name, args.model, rank)
+        carries[name], _ = timed(systems[name], carry, max(args.warmup, trial) if measured else args.warmup)
     times = {n: [] for n in names}
     for round_ in range(args.rounds):
         for n in names if round_ % 2 == 0 else names[::-1]:
