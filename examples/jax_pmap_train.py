@@ -39,6 +39,7 @@ def main():
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "batch")
 
+    step = dp.step(step)  # on several nodes: times the two-level form against flat over the first steps
     params, opt_state = dp.replicate(params), dp.replicate(tx.init(params))
     rng = np.random.default_rng(jax.process_index())
     n = jax.local_device_count()

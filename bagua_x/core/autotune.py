@@ -80,22 +80,27 @@ def _decide(times: dict[bool, list[float]], slowest: Callable[[Sequence[float]],
 class StepTrial:
     """The first training steps, run in each form in turn: the time from one step's start to the next's.
 
-    The plan: one untimed step in each form (the first builds buckets, opens
-    connections, compiles), then ``ROUNDS`` rounds of ``BLOCK`` timed steps flat
-    and ``BLOCK`` over nodes.  A frontend calls, at each training
-    step's start: :meth:`end` (the step before it is over), then :meth:`form`
-    (the form to run, switching if it changed; None once the plan is done: then
-    :meth:`choose`), then :meth:`begin` once switched, so a switch's own cost is
-    not timed.
+    The plan: ``ROUNDS`` rounds of a block flat and a block over nodes, each
+    block one untimed step then ``BLOCK`` timed ones.  The untimed first step
+    of a block takes what a switch costs once: the first builds buckets, opens
+    connections and compiles; later, the first step after a switch ran up to
+    80 % slower than the next on the 2 x 2 CPU cluster (ByteGrad over nodes,
+    300 ms on a 350 ms step), a cost training in one form never pays, which
+    made the trial choose flat where over nodes was 20 % faster.  A frontend
+    calls, at each training step's start: :meth:`end` (the step before it is
+    over), then :meth:`form` (the form to run, switching if it changed; None
+    once the plan is done: then :meth:`choose`), then :meth:`begin` once
+    switched, so a switch's own cost is not timed either.
     """
 
-    BLOCK = 2  # steps in a row in one form (a switch may restart state: not every step)
-    ROUNDS = 2  # so 10 steps in all, 4 timed in each form
+    BLOCK = 2  # timed steps in a row in one form, after the block's untimed first step
+    ROUNDS = 2  # so 12 steps in all, 4 timed in each form
 
     def __init__(self):
-        self._plan = [(False, False), (True, False)]
+        self._plan: list[tuple[bool, bool]] = []  # (over nodes, timed) of each step
         for _ in range(self.ROUNDS):
-            self._plan += [(False, True)] * self.BLOCK + [(True, True)] * self.BLOCK
+            for two_level in (False, True):
+                self._plan += [(two_level, False)] + [(two_level, True)] * self.BLOCK
         self._next = 0  # index in the plan of the step to start next
         self._started: Optional[float] = None
         self.times: dict[bool, list[float]] = {False: [], True: []}
@@ -109,6 +114,8 @@ class StepTrial:
         """The step begun last (if any) is over at ``now``."""
         if self._started is not None:
             two_level, timed = self._plan[self._next - 1]
+            log.debug("bagua_x: trial step %d (%s%s): %.2f ms", self._next - 1, "over nodes" if two_level else "flat",
+                      "" if timed else ", untimed", (now - self._started) * 1e3)
             if timed:
                 self.times[two_level].append(now - self._started)
             self._started = None

@@ -9,7 +9,7 @@ Two timings, as in torch (:mod:`~bagua_x.core.autotune`):
   the slowest device's times favour (:func:`~bagua_x.core.autotune.choose_form`).
   That is the form ``init`` puts in the state.
 * Through :meth:`DataParallel.step <bagua_x.jax.wrap.DataParallel.step>`
-  (:class:`StepForms`), the first 10 training steps are a trial of whole
+  (:class:`StepForms`), the first 12 training steps are a trial of whole
   steps in each form (:class:`~bagua_x.core.autotune.StepTrial`), which decides
   in place of the reduce timing: a reduce alone misses what a form costs the
   rest of the step (LowPrecisionDecentralized on CPU nodes reduced faster over
@@ -24,7 +24,10 @@ trial switches forms by changing a leaf of the step's input, with no new
 compile.  The code also says whether a trial may still change the form
 (``UNDECIDED``: ``init``'s; a trial's decision clears it), so a state restored
 from a checkpoint taken after the decision runs its form, bitwise, whatever
-this process measured; one taken before is timed again.  An algorithm whose
+this process measured; one taken before is timed again.  Once decided,
+``dp.step`` passes the states on as :class:`DecidedState`, whose form is in
+the tree's structure: the step is compiled once more with that form alone,
+as fast as a forced form (the switch costs fusion around it).  An algorithm whose
 state refers to the peers of one form (``state_follows_form``:
 LowPrecisionDecentralized's neighbour estimates are of devices in one form and
 of nodes in the other) is restarted at a switch (``RESTART``, cleared by the
@@ -50,7 +53,7 @@ from ..core.bucket import BucketLayout
 from ..core.comm import Feature, ReduceOp
 from .communicator import AxisCommunicator
 
-__all__ = ["MeasuredState", "StepForms", "measured_form", "run_in_form", "with_form",
+__all__ = ["DecidedState", "MeasuredState", "StepForms", "measured_form", "run_in_form", "with_form",
            "OVER_NODES", "UNDECIDED", "RESTART"]
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,33 @@ class MeasuredState(NamedTuple):
 
     hierarchical: Any  # int32 scalar: OVER_NODES | UNDECIDED | RESTART bits
     state: Any  # the algorithm's own state
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class DecidedState:
+    """A bucket's state once ``dp.step``'s trial has decided: the form is static (in the tree's structure).
+
+    So the step is compiled with that form alone, without ``lax.switch``
+    between both (on the 2 x 2 CPU cluster, a step holding both forms ran up
+    to ~20 % slower than either alone: the branches are not fused with the
+    packing around them).  Its leaves and their key paths are
+    :class:`MeasuredState`'s, the code decided, so a checkpoint of it restores
+    into ``init``'s state, and ``dp.step`` makes that static again.
+    """
+
+    def __init__(self, over_nodes: bool, hierarchical: Any, state: Any):
+        self.over_nodes, self.hierarchical, self.state = bool(over_nodes), hierarchical, state
+
+    def __repr__(self) -> str:
+        return f"DecidedState(over_nodes={self.over_nodes}, hierarchical={self.hierarchical!r}, state={self.state!r})"
+
+    def tree_flatten_with_keys(self):
+        keys = jax.tree_util.GetAttrKey
+        return ((keys("hierarchical"), self.hierarchical), (keys("state"), self.state)), self.over_nodes
+
+    @classmethod
+    def tree_unflatten(cls, over_nodes: bool, children) -> "DecidedState":
+        return cls(over_nodes, *children)
 
 
 def measured_form(algorithm: Algorithm, layouts: Sequence[BucketLayout], axis_name, world_size: int,
@@ -94,16 +124,21 @@ def with_form(states: tuple, two_level: Optional[bool]) -> tuple:
 
 def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, comm: AxisCommunicator,
                 algorithm: Algorithm) -> tuple:
-    """``fn(*args, layout, state, comm)`` in the form a :class:`MeasuredState` names (plainly for any other state).
+    """``fn(*args, layout, state, comm)`` in the form a :class:`MeasuredState` names, switching on its code, or
+    a :class:`DecidedState` fixes (plainly for any other state).
 
     First, where the code asks for a restart (a switch of a ``state_follows_form`` algorithm, a weight
     algorithm: ``args[0]`` is its weights), the weights become the average over the axis and the state
     ``algorithm.init`` of them.
     """
+    flat = AxisCommunicator(comm.axis_name, comm.size)  # one node: no groups
+    if isinstance(state, DecidedState):
+        over_nodes = state.over_nodes and Feature.HIERARCHICAL in comm.features
+        out, inner = fn(*args, layout, state.state, comm if over_nodes else flat)
+        return out, DecidedState(state.over_nodes, state.hierarchical, inner)
     if not isinstance(state, MeasuredState):
         return fn(*args, layout, state, comm)
     code, inner, args = state.hierarchical, state.state, tuple(args)
-    flat = AxisCommunicator(comm.axis_name, comm.size)  # one node: no groups
     if algorithm.state_follows_form:
         def restart(operand):
             (x, *rest), _ = operand
@@ -126,10 +161,13 @@ class StepForms:
     in the step's arguments (:class:`~bagua_x.core.autotune.StepTrial`'s plan;
     with ``RESTART`` where the algorithm's state follows the form); the time of
     a step is its call through ``dp.step``, which waits for its results
-    (:meth:`before`, the call, :meth:`after`).  No
-    trial where the arguments hold no measured state (say so), where they hold
-    a decided one (restored: keep it), or where the traced step has no node
-    groups (``shard_map``: it runs flat).
+    (:meth:`before`, the call, :meth:`after`).  A restart runs inside the
+    step, at a block's untimed first step (the plan's), so it is not timed.
+    The decision makes the states :class:`DecidedState`
+    (after one more switchable step where it restarts the state).  No trial
+    where the arguments hold no undecided measured state (say so), where they
+    hold a decided one (restored: keep its form, static), or where the traced
+    step has no node groups (``shard_map``: it runs flat).
     """
 
     def __init__(self, algorithm: Algorithm, axis_name):
@@ -139,55 +177,58 @@ class StepForms:
         self.forms_in_step: Optional[bool] = None
         self._trial = StepTrial()
         self._running: Optional[int] = None  # the form the states passed last were run in
+        self._decided: Optional[int] = None  # the form decided at a step that also restarted the state
 
     def before(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``args, kwargs`` with the form of the step about to run written into their measured states."""
         name = type(self.algorithm).__name__
+        if self._decided is not None:  # the deciding step restarted the state: from now on, the form alone
+            return self._stop(_write((args, kwargs), self._decided, static=True))
         codes = _codes((args, kwargs))
         if self._running is None:  # the first step through dp.step
             if not codes:
-                return self._stop("%s keeps the form timed at wrap: the arguments of dp.step's function hold no "
-                                  "bagua_x state to switch the form in", name, args, kwargs)
+                log.info("bagua_x: %s keeps its form: the arguments of dp.step's function hold no undecided bagua_x "
+                         "state to switch the form in", name)
+                return self._stop((args, kwargs))
             code = _read(codes[0])
             if not code & UNDECIDED:
-                return self._stop("%s runs %s, as in the state passed to dp.step (decided before)", name, args,
-                                  kwargs, "over nodes" if code & OVER_NODES else "flat")
+                log.info("bagua_x: %s runs %s, as in the state passed to dp.step (decided before)", name,
+                         "over nodes" if code & OVER_NODES else "flat")
+                return self._stop(_write((args, kwargs), code, static=True))
             self._running = code & OVER_NODES
         elif self.forms_in_step is False:
-            return self._stop("%s runs flat: the step has no node groups (shard_map), so the forms are not timed",
-                              name, args, kwargs)
+            log.info("bagua_x: %s runs flat: the step has no node groups (shard_map), so the forms are not timed",
+                     name)
+            return self._stop((args, kwargs))
         form = self._trial.form()
-        if form is None:
+        restart = self.algorithm.state_follows_form and form is not None and int(form) != self._running
+        if form is None:  # decided: the form alone, once a restart (a switch) has run in the switching step
             form = int(self._trial.choose(slowest_over_devices(self.axis_name), name).two_level)
-            self.done, code = True, form
-        else:
-            form = int(form)
-            code = UNDECIDED | form
-        if self.algorithm.state_follows_form and form != self._running:
-            code |= RESTART
-        self._running = form
-        args, kwargs = _write((args, kwargs), code)
-        if not self.done:
-            self._trial.begin(time.perf_counter())
+            if not (self.algorithm.state_follows_form and form != self._running):
+                return self._stop(_write((args, kwargs), form, static=True))
+            self._decided = form
+            return _write((args, kwargs), form | RESTART)
+        self._running = int(form)
+        args, kwargs = _write((args, kwargs), UNDECIDED | self._running | (RESTART if restart else 0))
+        self._trial.begin(time.perf_counter())
         return args, kwargs
 
     def after(self) -> None:
         """The step started by the last :meth:`before` has finished (its results are ready)."""
         self._trial.end(time.perf_counter())
 
-    def _stop(self, message: str, name: str, args: tuple, kwargs: dict, *more) -> tuple[tuple, dict]:
-        log.info("bagua_x: " + message, name, *more)
+    def _stop(self, tree: tuple) -> tuple[tuple, dict]:
         self.done = True
-        return args, kwargs
+        return tree
 
 
-def _is_measured(x) -> bool:
-    return isinstance(x, MeasuredState)
+def _is_state(x) -> bool:
+    return isinstance(x, (MeasuredState, DecidedState))
 
 
 def _codes(tree) -> list:
-    """The code leaves of the measured states in ``tree``."""
-    return [m.hierarchical for m in jax.tree.leaves(tree, is_leaf=_is_measured) if _is_measured(m)]
+    """The code leaves of the (switchable) measured states in ``tree``."""
+    return [m.hierarchical for m in jax.tree.leaves(tree, is_leaf=_is_state) if isinstance(m, MeasuredState)]
 
 
 def _read(code) -> int:
@@ -197,16 +238,23 @@ def _read(code) -> int:
         return int(np.asarray(shards[0].data if shards else code).reshape(-1)[0])
 
 
-def _write(tree, code: int):
-    """``tree`` with every measured state's code set to ``code``, placed as the old one (no new compile)."""
+def _write(tree, code: int, static: bool = False):
+    """``tree`` with every measured state's code set to ``code``, placed as the old one (no new compile); with
+    ``static``, as a :class:`DecidedState` of that form (compiled once more, with the form alone)."""
     def put(old):
         value = np.full(np.shape(old), code, np.int32)
         if isinstance(old, jax.Array):
             return jax.make_array_from_callback(old.shape, old.sharding, lambda index: value[index])
         return value
 
-    return jax.tree.map(lambda m: m._replace(hierarchical=put(m.hierarchical)) if _is_measured(m) else m, tree,
-                        is_leaf=_is_measured)
+    def rewrite(m):
+        if not isinstance(m, MeasuredState):
+            return m
+        if static:
+            return DecidedState(bool(code & OVER_NODES), put(m.hierarchical), m.state)
+        return m._replace(hierarchical=put(m.hierarchical))
+
+    return jax.tree.map(rewrite, tree, is_leaf=_is_state)
 
 
 def slowest_over_devices(axis_name) -> Callable[[Sequence[float]], list[float]]:

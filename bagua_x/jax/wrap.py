@@ -269,7 +269,7 @@ class DataParallel:
         (instead of JAX's ``JaxRuntimeError`` around it).
 
         Where ``wrap`` measured the form (``hierarchical=None`` on node groups),
-        the first 10 steps through it are a trial: it switches the form in the
+        the first 12 steps through it are a trial: it switches the form in the
         bagua_x states among ``fn``'s arguments, times each step, and then
         keeps the form the slowest process's median step favours, logged
         (:class:`~.node_form.StepForms`).  Without a watchdog or a trial it
@@ -284,27 +284,31 @@ class DataParallel:
             forms = self._forms if self._forms is not None and not self._forms.done else None
             if forms is not None:
                 args, kwargs = forms.before(args, kwargs)
-            step = watchdog.enter() if watchdog is not None else None
-            try:
+            if watchdog is None:
                 out = jax.block_until_ready(fn(*args, **kwargs))
-            except Exception as e:
-                if watchdog is None:
-                    raise
-                error = self._step_failed(watchdog, step, e)
-                if error is None:
-                    raise
-                raise error from e
-            except BaseException:  # Ctrl-C (KeyboardInterrupt), SystemExit: the step is over, nothing to report
-                if watchdog is not None:
-                    watchdog.leave()
-                raise
-            if watchdog is not None:
-                watchdog.leave()
+            else:
+                out = self._watched(watchdog, fn, args, kwargs)
             if forms is not None:
                 forms.after()
             return out
 
         return guarded
+
+    def _watched(self, watchdog: StepWatchdog, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """``fn(*args, **kwargs)``, its results ready, with the watchdog armed for the step (see :meth:`step`)."""
+        step = watchdog.enter()
+        try:
+            out = jax.block_until_ready(fn(*args, **kwargs))
+        except Exception as e:
+            error = self._step_failed(watchdog, step, e)
+            if error is None:
+                raise
+            raise error from e
+        except BaseException:  # Ctrl-C (KeyboardInterrupt), SystemExit: the step is over, nothing to report
+            watchdog.leave()
+            raise
+        watchdog.leave()
+        return out
 
     def _step_failed(self, watchdog: StepWatchdog, step: int, e: Exception) -> Optional[BaguaXError]:
         """The error to raise for a step that raised ``e`` (None: ``e`` itself).
@@ -482,7 +486,7 @@ def wrap(
             ``LOCAL_WORLD_SIZE``), which run in two levels under ``pmap`` with
             >= 2 nodes.  With >= 2 devices per node, ``hierarchical=None`` takes
             the faster form: ``wrap`` times both under ``pmap`` (a few reduces of
-            zero buckets, compiled for each form), then the first 10 steps through
+            zero buckets, compiled for each form), then the first 12 steps through
             :meth:`DataParallel.step` time whole steps in each and decide; the
             choice is part of the state (``init``), so a restored state keeps its
             form (:mod:`.node_form`).

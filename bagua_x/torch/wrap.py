@@ -222,7 +222,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
             setting and node layout, else all raise the same BaguaXError before
             any node group is made.  On >= 2 nodes of >= 2 ranks,
             ``hierarchical=None`` takes the faster form, timed over the first
-            10 training steps, which alternate the forms;
+            12 training steps, which alternate the forms;
             ``algorithm_state_dict()`` keeps the choice and a load restores it
             (:mod:`.node_form`).
 

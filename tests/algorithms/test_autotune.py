@@ -101,7 +101,7 @@ def test_step_trial_plan_warms_each_form_then_alternates_blocks_and_times_only_t
 
     results = trial_on_4_ranks(lambda rank, form: 1.0 if form else 2.0)
     _, forms = results[0]
-    assert forms == [False, True] + ([False] * StepTrial.BLOCK + [True] * StepTrial.BLOCK) * StepTrial.ROUNDS
-    assert len(forms) == StepTrial().steps == 10
+    assert forms == ([False] * (StepTrial.BLOCK + 1) + [True] * (StepTrial.BLOCK + 1)) * StepTrial.ROUNDS
+    assert len(forms) == StepTrial().steps == 12
     choice = results[0][0]
     assert (choice.flat_seconds, choice.two_level_seconds) == (2.0, 1.0)  # switch time excluded

@@ -197,7 +197,9 @@ def _sleep_then(seconds: float, x):
 
 def _slowed(algorithm, delays: dict):
     """``algorithm`` whose compiled ``reduce`` sleeps ``delays[(process, over nodes)]`` seconds after its
-    collectives, for programs traced while ``delays`` is not empty: one form slow on some processes only."""
+    collectives, for programs traced while ``delays`` is not empty: one form slow on some processes only.  Every
+    process gets the callback (sleeping 0 s where no delay is given), so all compile the same program: XLA
+    fuses around a callback otherwise than without one, which changed results by an ulp across processes."""
     import functools
 
     import jax
@@ -208,7 +210,7 @@ def _slowed(algorithm, delays: dict):
         def reduce(self, flat, layout, state, comm):
             out, state = super().reduce(flat, layout, state, comm)
             delay = delays.get((jax.process_index(), Feature.HIERARCHICAL in comm.features), 0.0)
-            if delay:
+            if delays:
                 out = jax.pure_callback(functools.partial(_sleep_then, delay),
                                         jax.ShapeDtypeStruct(out.shape, out.dtype), out)
             return out, state
@@ -283,17 +285,17 @@ def _codes(state) -> list[int]:
     """The form codes of a pmap-layout bagua_x state (this process's device), one per bucket."""
     import jax
 
-    from bagua_x.jax.node_form import MeasuredState
+    from bagua_x.jax.node_form import DecidedState, MeasuredState
 
-    measured = [m for m in jax.tree.leaves(state, is_leaf=lambda m: isinstance(m, MeasuredState))
-                if isinstance(m, MeasuredState)]
-    return [int(_host_local(m.hierarchical)[0]) for m in measured]
+    kinds = (MeasuredState, DecidedState)
+    measured = [m for m in jax.tree.leaves(state, is_leaf=lambda m: isinstance(m, kinds)) if isinstance(m, kinds)]
+    return [(type(m).__name__, int(_host_local(m.hierarchical)[0])) for m in measured]
 
 
 def trial_worker(name: str, at_wrap: dict, in_steps: dict, total: int, saves: tuple, directory: str) -> dict:
     """``name`` at hierarchical=None trained through ``dp.step`` for ``total`` steps, one form slowed by
     ``at_wrap`` while wrap times the reduce and by ``in_steps`` in the training step: per step, the codes in
-    the state and this process's params; the log; checkpoints at the steps in ``saves``.  Then, from each
+    the state (its kind and code) and this process's params; the log; checkpoints at the steps in ``saves``.  Then, from each
     checkpoint, a fresh wrap (timed as before) resumes to ``total``."""
     import os
 

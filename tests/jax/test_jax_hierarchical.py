@@ -184,5 +184,5 @@ def test_dp_step_keeps_the_wrap_timing_where_its_function_takes_no_bagua_x_state
     dp = wrap(params, algorithm=ByteGrad(), devices_per_node=LOCAL)
     with caplog.at_level("INFO", logger="bagua_x"):
         assert dp.step(lambda a: a + 1)(1) == 2
-    assert ("bagua_x: ByteGrad keeps the form timed at wrap: the arguments of dp.step's function hold no bagua_x "
+    assert ("bagua_x: ByteGrad keeps its form: the arguments of dp.step's function hold no undecided bagua_x "
             "state to switch the form in") in caplog.messages, caplog.messages

@@ -117,7 +117,7 @@ def test_default_form_is_measured_at_wrap_and_kept_on_resume(name, expected, tmp
 
 TRIAL = re.compile(r"bagua_x: Slowed runs (over nodes|flat), by measurement: a training step took ([0-9.]+) ms flat "
                    r"and ([0-9.]+) ms over nodes \(median of 4 steps each, slowest rank\)")
-PLAN = [0, 1, 0, 0, 1, 1, 0, 0, 1, 1]  # the trial's forms (1: over nodes), StepTrial's plan
+PLAN = [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]  # the trial's forms (1: over nodes), StepTrial's plan
 UNDECIDED = 2
 
 
@@ -125,18 +125,23 @@ UNDECIDED = 2
 def test_whole_steps_through_dp_step_decide_the_form(name, expected, tmp_path):
     """wrap's reduce timing favours one form, the training steps the other (per-process skews, SKEWS): the
     trial through dp.step runs its plan, every process takes the form the slowest one's steps favour, and
-    LowPrecisionDecentralized restarts from equal weights at every switch.  A checkpoint taken after the
-    decision resumes bitwise in its form; one taken during the trial is timed again."""
+    LowPrecisionDecentralized restarts from equal weights at every switch; then the states are DecidedState
+    (the form alone compiled).  A checkpoint taken after the decision resumes bitwise in its form; one taken
+    during the trial is timed again."""
     other = "flat" if expected == "over nodes" else "over nodes"
-    total, saves = 15, (4, 11)
+    total, saves = 17, (4, 14)
     res = run_workers("bx_jax_node_workers:trial_worker", nproc=4, timeout=600, env=ENV,
                       args=(name, SKEWS[other], SKEWS[expected], total, saves, str(tmp_path)))
     form = int(expected == "over nodes")
+    # LowPrecisionDecentralized switching at the decision restarts in that step, still switchable
+    restarts = name == "LowPrecisionDecentralized" and form != PLAN[-1]
+    trial = [[("MeasuredState", UNDECIDED | f)] for f in PLAN]
+    decided = [[("MeasuredState", form)]] * restarts + [[("DecidedState", form)]] * total
     logged = []
     for r in res:
         steps, messages = r["full"]["steps"], r["full"]["messages"]
         assert len(steps) == total
-        assert [codes for codes, _ in steps] == [[UNDECIDED | f] for f in PLAN] + [[form]] * (total - len(PLAN))
+        assert [codes for codes, _ in steps] == (trial + decided)[:total]
         assert any(m.startswith(f"bagua_x: Slowed runs {other}, by measurement: one reduce") for m in messages)
         found = [m for m in map(TRIAL.fullmatch, messages) if m]
         assert len(found) == 1, messages
@@ -147,7 +152,7 @@ def test_whole_steps_through_dp_step_decide_the_form(name, expected, tmp_path):
     assert chosen == expected and slow >= 300 and fast < slow, logged[0]
     # a switch restarts LowPrecisionDecentralized from the processes' average: equal weights on every process;
     # between switches its weights differ (ByteGrad's are always equal)
-    forms = [1 - form] + [codes[0] & 1 for codes, _ in res[0]["full"]["steps"]]
+    forms = [1 - form] + [codes[0][1] & 1 for codes, _ in res[0]["full"]["steps"]]
     for s in range(total):
         spread = max(float(np.abs(a - b).max()) for r in res[1:]
                      for a, b in zip(r["full"]["steps"][s][1], res[0]["full"]["steps"][s][1]))
@@ -156,12 +161,12 @@ def test_whole_steps_through_dp_step_decide_the_form(name, expected, tmp_path):
         else:
             assert spread > 1e-4, (s, spread)
     for r in res:
-        after = r[11]
-        assert [codes for codes, _ in after["steps"]] == [[form]] * (total - 11)
-        assert all(_equal(a[1], b[1]) for a, b in zip(after["steps"], r["full"]["steps"][11:]))
+        after = r[14]
+        assert [codes for codes, _ in after["steps"]] == [[("DecidedState", form)]] * (total - 14)
+        assert all(_equal(a[1], b[1]) for a, b in zip(after["steps"], r["full"]["steps"][14:]))
         assert f"bagua_x: Slowed runs {expected}, as in the state passed to dp.step (decided before)" in \
             after["messages"]
         during = r[4]
-        assert [codes for codes, _ in during["steps"]][:len(PLAN) + 1] == [[UNDECIDED | f] for f in PLAN] + [[form]]
+        assert [codes for codes, _ in during["steps"]] == (trial + decided)[:total - 4]
         found = [m for m in map(TRIAL.fullmatch, during["messages"]) if m]
         assert len(found) == 1 and found[0].group(1) == expected, during["messages"]

@@ -234,7 +234,7 @@ def _train_measured(algorithm, rank: int, steps, delays: dict, seed: int, load=N
     return two_level, list(messages), [p.detach().clone().numpy() for p in model.parameters()]
 
 
-def measured(name: str, delays: dict, steps: int = 12):
+def measured(name: str, delays: dict, steps: int = 14):
     """``name`` (ByteGrad or LowPrecisionDecentralized) at hierarchical=None, slowed by ``delays`` while timed
     (the parameters each forward starts from in ``seen``); and the same training with each form forced."""
     import dataclasses

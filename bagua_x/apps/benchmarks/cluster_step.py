@@ -8,7 +8,7 @@ a model of ``torch_zoo.py`` (``--model``, as ``torch_vs_ddp.py`` does; QAdam aga
 DDP + Adam) once per system: DDP, then each algorithm with
 ``hierarchical=False`` (``flat``), ``True`` (``hierarchical``) and at its
 default ``None`` (``default``: the faster of the two, timed over its first
-10 steps, during its warm-up; ModelAverage has no hierarchical variant, so it
+12 steps, during its warm-up; ModelAverage has no hierarchical variant, so it
 runs flat only), and
 the model with no communication at all (``compute``: the floor
 any algorithm can reach while the ranks share the machine's cores).  The systems run in interleaved rounds, the order reversed every
@@ -35,7 +35,7 @@ FLAT_ONLY = {"model_average"}  # no hierarchical variant (as in Bagua)
 
 def build_system(name: str, seed: int, bucket_cap_mb: float, model_name: str):
     """``(model, optimizer)`` of one system: ``compute`` (no communication: the floor), ``ddp``, ``ddp_adam`` or
-    ``<algorithm>/<flat|hierarchical|default>``."""
+    ``<algorithm>/<flat|hierarchical|default>``, optionally ``@<bucket cap in MB>`` (else ``bucket_cap_mb``)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bagua_x.torch as bxt
@@ -46,6 +46,8 @@ def build_system(name: str, seed: int, bucket_cap_mb: float, model_name: str):
     if name.startswith("ddp"):
         model, opt = bench.build(seed, "ddp", "qadam" if name == "ddp_adam" else "allreduce", model_name)
         return DDP(model, bucket_cap_mb=bucket_cap_mb), opt
+    name, _, cap = name.partition("@")
+    bucket_cap_mb = float(cap) if cap else bucket_cap_mb
     algorithm, mode = name.split("/")
     hierarchical = {"flat": False, "hierarchical": True, "default": None}[mode]
     model, opt = bench.build(seed, "bagua_x", algorithm, model_name)
@@ -74,6 +76,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--bucket-caps", type=float, nargs="+", metavar="MB",
+                        help="run each bagua_x system at each of these bucket caps (``<system>@<MB>``)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
 
@@ -83,18 +87,21 @@ def main():
     torch._dynamo.config.recompile_limit = 64
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    if rank == 0:  # the defaults' choice of form, with the times it was made on
+    if rank == 0:  # the defaults' choice of form, with the times it was made on (DEBUG: each trial step's)
         logging.basicConfig(format="%(message)s")
-        logging.getLogger("bagua_x.core.autotune").setLevel(logging.INFO)
+        logging.getLogger("bagua_x.core.autotune").setLevel(logging.DEBUG)
     x, y = bench.zoo.batch(args.model, rank)
     names = ["compute", "ddp"] + (["ddp_adam"] if "qadam" in args.algorithms else [])
     names += [f"{a}/{mode}" for a in args.algorithms
               for mode in (("flat",) if a in FLAT_ONLY else ("flat", "hierarchical", "default"))]
+    if args.bucket_caps:
+        names = [n for n in names if "/" not in n] + [f"{n}@{cap:g}" for n in names if "/" in n
+                                                      for cap in args.bucket_caps]
     systems = {n: build_system(n, rank, args.bucket_cap_mb, args.model) for n in names}
     times = {n: [] for n in names}
     trial = StepTrial().steps + 1  # a default runs its trial of both forms and decides within its warm-up
     for n, (model, opt) in systems.items():
-        bench.timed(model, opt, x, y, max(args.warmup, trial) if n.endswith("/default") else args.warmup)
+        bench.timed(model, opt, x, y, max(args.warmup, trial) if "/default" in n else args.warmup)
     for round_ in range(args.rounds):
         for n in names if round_ % 2 == 0 else names[::-1]:
             times[n].append(bench.timed(*systems[n], x, y, args.steps))
@@ -105,7 +112,7 @@ def main():
                   "ms": ms,
                   "ratio_to_ddp": {n: ms[n] / baseline(n) for n in names if "/" in n},
                   "default_over_nodes": {n: Feature.HIERARCHICAL in systems[n][0].comm.features
-                                         for n in names if n.endswith("/default")}}
+                                         for n in names if "/default" in n}}
         print(json.dumps(result), flush=True)
         if args.json:
             with open(args.json, "w") as f:

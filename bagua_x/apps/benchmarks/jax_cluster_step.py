@@ -14,7 +14,7 @@ applied unreduced: the floor any algorithm can reach while the ranks share
 the machine's cores), ``pmean`` (one ``lax.pmean`` per leaf, what a plain JAX
 program does), and each algorithm through ``bagua_x.jax.wrap`` at its
 defaults (on >= 2 nodes of >= 2 ranks, the faster of flat and two-level:
-timed at ``wrap``, then decided by the trial of 10 whole steps its
+timed at ``wrap``, then decided by the trial of 12 whole steps its
 ``dp.step`` runs in the warm-up); GradientAllReduce is always among them, as the second
 baseline.  With ``--forms``, each algorithm that has a measured default also
 runs forced flat and forced two-level (``<name>/flat``, ``<name>/hierarchical``)
@@ -118,7 +118,7 @@ def run(args) -> dict:
     rank = jax.process_index()
     if rank == 0:  # each measured default's form and timings, as torch's cluster_step logs them
         logging.basicConfig(format="%(message)s")
-        logging.getLogger("bagua_x.core.autotune").setLevel(logging.INFO)
+        logging.getLogger("bagua_x.core.autotune").setLevel(logging.DEBUG)  # with each trial step
     names = ["compute", "pmean", "allreduce"] + [a for a in args.algorithms if a != "allreduce"]
     if args.forms:  # the algorithms whose default is measured: hierarchical=None
         names += [f"{a}/{form}" for a in args.algorithms
