@@ -200,16 +200,17 @@ class StepForms:
             log.info("bagua_x: %s runs flat: the step has no node groups (shard_map), so the forms are not timed",
                      name)
             return self._stop((args, kwargs))
-        form = self._trial.form()
-        restart = self.algorithm.state_follows_form and form is not None and int(form) != self._running
-        if form is None:  # decided: the form alone, once a restart (a switch) has run in the switching step
+        planned = self._trial.form()
+        if planned is None:  # decided: the form alone, after one more switchable step where it restarts
             form = int(self._trial.choose(slowest_over_devices(self.axis_name), name).two_level)
-            if not (self.algorithm.state_follows_form and form != self._running):
-                return self._stop(_write((args, kwargs), form, static=True))
-            self._decided = form
-            return _write((args, kwargs), form | RESTART)
-        self._running = int(form)
-        args, kwargs = _write((args, kwargs), UNDECIDED | self._running | (RESTART if restart else 0))
+            if self.algorithm.state_follows_form and form != self._running:
+                self._decided = form
+                return _write((args, kwargs), form | RESTART)
+            return self._stop(_write((args, kwargs), form, static=True))
+        form = int(planned)
+        restart = RESTART if self.algorithm.state_follows_form and form != self._running else 0
+        self._running = form
+        args, kwargs = _write((args, kwargs), UNDECIDED | form | restart)
         self._trial.begin(time.perf_counter())
         return args, kwargs
 
