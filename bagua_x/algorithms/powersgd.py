@@ -189,8 +189,10 @@ class PowerSGD(Algorithm):
                 in the bucket (BLAS rounds differently at other alignments), so regrouped buckets (DDP's rebuild,
                 a resume through the comm hook) compute bitwise the same."""
                 end = m.offset + m.rows * m.cols
-                x = flat[m.offset : end] + e[m.offset : end] if self.use_error_feedback else xp.asarray(
-                    flat[m.offset : end], copy=True, device=array_api_compat.device(flat))
+                if self.use_error_feedback:
+                    x = flat[m.offset : end] + e[m.offset : end]
+                else:
+                    x = xp.asarray(flat[m.offset : end], copy=True, device=array_api_compat.device(flat))
                 return xp.reshape(x, (m.rows, m.cols))
 
             pieces, fed_back = {}, {}  # bucket offset -> reduced values, and -> the values reduced (g + e)

@@ -16,9 +16,10 @@ does not make the others wait inside their next timed one.
 Two ways to time: :func:`choose_form` runs one reduce of every bucket in each
 form, on copies (JAX, at ``wrap``: nothing of training changes);
 :class:`StepTrial` times the first training steps themselves in each form
-(torch; JAX through ``dp.step``, after the reduce timing at ``wrap``).  A reduce alone misses what a form costs the rest of the step: on
-CPU nodes, LowPrecisionDecentralized over nodes reduced faster alone and made
-whole steps slower (the in-node stages compete with compute for the cores).
+(torch; JAX through ``dp.step``, after the reduce timing at ``wrap``).  A
+reduce alone misses what a form costs the rest of the step: on CPU nodes,
+LowPrecisionDecentralized over nodes reduced faster alone and made whole steps
+slower (the in-node stages compete with compute for the cores).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _decide(times: dict[bool, list[float]], slowest: Callable[[Sequence[float]],
 
 
 class StepTrial:
-    """The first training steps, run in each form in turn: the time from one step's start to the next's.
+    """The first training steps, run in each form in turn, each timed from :meth:`begin` to :meth:`end`.
 
     The plan: ``ROUNDS`` rounds of a block flat and a block over nodes, each
     block one untimed step then ``BLOCK`` timed ones.  The untimed first step

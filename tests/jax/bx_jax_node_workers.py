@@ -295,8 +295,8 @@ def _codes(state) -> list[int]:
 def trial_worker(name: str, at_wrap: dict, in_steps: dict, total: int, saves: tuple, directory: str) -> dict:
     """``name`` at hierarchical=None trained through ``dp.step`` for ``total`` steps, one form slowed by
     ``at_wrap`` while wrap times the reduce and by ``in_steps`` in the training step: per step, the codes in
-    the state (its kind and code) and this process's params; the log; checkpoints at the steps in ``saves``.  Then, from each
-    checkpoint, a fresh wrap (timed as before) resumes to ``total``."""
+    the state (its kind and code) and this process's params; the log; checkpoints at the steps in ``saves``.
+    Then, from each checkpoint, a fresh wrap (timed as before) resumes to ``total``."""
     import os
 
     import jax
