@@ -28,7 +28,7 @@ test: $(STAMP) docs
 
 # NO_MKDOCS_2_WARNING: without it mkdocs-material prints an end-of-life banner on every build.
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The fast tier for every edit (under a minute): the algorithms on the simulated N-rank communicator against
 # the numpy references, core, the layering, nccl's tables. No process is started. CI runs the full `test`.

@@ -7,7 +7,9 @@ list with one flat float32 array per rank.
 
 Example:
     ```python
-    import numpy as np
+    from typing import Sequence
+
+import numpy as np
     from bagua_x.testing import reference
 
     xs = [np.random.default_rng(r).standard_normal(8).astype(np.float32) for r in range(4)]
@@ -26,7 +28,7 @@ __all__ = ["EPS", "allreduce", "quantize", "dequantize", "roundtrip", "step_size
 EPS = 1e-7
 
 
-def allreduce(xs, average=True):
+def allreduce(xs: Sequence[np.ndarray], average: bool = True) -> list[np.ndarray]:
     """Every rank's result of an allreduce (sum in float64, then float32).
 
     Args:
@@ -41,7 +43,7 @@ def allreduce(xs, average=True):
     return [out.astype(np.float32) for _ in xs]
 
 
-def quantize(x):
+def quantize(x: np.ndarray) -> tuple[np.ndarray, np.float32, np.float32]:
     """Bagua's MinMaxUInt8 of one chunk: 256 levels between its min and max, in float32 as Bagua computes them.
 
     Args:

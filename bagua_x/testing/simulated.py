@@ -295,7 +295,7 @@ def run(n: int, fn: Callable[[SimulatedCommunicator], Any], timeout: float = 5.0
     return results, comms
 
 
-def flat_layout(x_or_numel, dtype: str = "float32") -> BucketLayout:
+def flat_layout(x_or_numel: Any, dtype: str = "float32") -> BucketLayout:
     """The layout of a bucket holding one 1-D tensor named "x": ``x``'s length, or ``numel`` elements.
 
     Args:
