@@ -29,9 +29,10 @@ unused in that step, at the first compressed step or without error feedback --
 gives ``P = 0``, so ``Q = M^T P = 0``, and ``P = M Q`` would stay zero at
 every later step: the matrix would be switched off for good while its error
 grows.  The redraw is :func:`_redraw`, a counter-based hash of the seed, the
-step and the element's position in integer Array API arithmetic: identical
-on every rank (``Q`` is the same everywhere after its allreduce, so is the mask)
-and traceable by JAX (a ``where`` on a per-column mask, no data-dependent branch).
+step and the element's position within its matrix in integer Array API
+arithmetic: identical on every rank (``Q`` is the same everywhere after its
+allreduce, so is the mask), independent of the bucket the matrix is in, and
+traceable by JAX (a ``where`` on a per-column mask, no data-dependent branch).
 """
 
 from __future__ import annotations
@@ -98,17 +99,29 @@ def _mix(h):
     return h ^ ((h >> 16) & 0xFFFF)
 
 
-def _redraw(seed: int, step, numel: int, like, xp):
-    """``numel`` values uniform in [-1, 1) (multiples of 2**-23), a function of ``seed``, ``step`` and position only.
+def _step_key(seed: int, step, xp):
+    """The redraw's key at ``step``: a 0-d int32 where the step counter lives (the host: base.counter).
+
+    It stays there: added to an array on the bucket's device it is a scalar
+    operand (torch reads a CPU 0-d tensor on the host), where moving it to the
+    device would be one blocking host-to-device copy per bucket and step.
+    """
+    key = _mix(xp.reshape(xp.astype(step, xp.int32), (1,)) * _int32(0x9E3779B9) + _int32(seed))  # 1-d: wraps silently
+    return xp.reshape(key, ())
+
+
+def _redraw(key, m: _Matrix, like, xp):
+    """Matrix ``m``'s ``cols x rank`` values uniform in [-1, 1) (multiples of 2**-23): a function of the key
+    (seed and step) and the position *within the matrix* only, so a matrix redraws the same values wherever
+    it sits in a bucket (DDP's comm hook regroups buckets; a resume must stay bitwise).
 
     The direction of a ``Q`` column is all that matters, so uniform serves as well
     as normal and needs no ``log``/``cos`` whose rounding differs between libraries.
     """
-    device = array_api_compat.device(like)
-    key = _mix(xp.reshape(xp.astype(step, xp.int32), (1,)) * _int32(0x9E3779B9) + _int32(seed))  # 1-d: wraps silently
-    key = xp.asarray(key, device=device)  # the step counter lives on the host (base.counter), Q on the bucket's device
-    bits = _mix(xp.arange(numel, dtype=xp.int32, device=device) + key) & 0xFFFFFF
-    return xp.astype(xp.astype(bits, xp.float32) / 2.0**23 - 1.0, like.dtype)
+    positions = xp.arange(m.cols * m.rank, dtype=xp.int32, device=array_api_compat.device(like))
+    bits = _mix(positions + key) & 0xFFFFFF
+    values = xp.astype(xp.astype(bits, xp.float32) / 2.0**23 - 1.0, like.dtype)
+    return xp.reshape(values, (m.cols, m.rank))
 
 
 def _revive(q, fresh, xp):
@@ -207,8 +220,8 @@ class PowerSGD(Algorithm):
                     start += n
             if matrices:
                 ms = [fed(m) for m in matrices]
-                fresh = _redraw(self.random_seed, state.step, q.shape[0], q, xp)
-                qs = [_orthonormal(_revive(m.q(q, xp), m.q(fresh, xp), xp), xp) for m in matrices]
+                key = _step_key(self.random_seed, state.step, xp)
+                qs = [_orthonormal(_revive(m.q(q, xp), _redraw(key, m, q, xp), xp), xp) for m in matrices]
                 ps = self._exchange([xp.matmul(mat, qm) for mat, qm in zip(ms, qs)], comm, ReduceOp.SUM, xp)
                 ps = [_orthonormal(p, xp) for p in ps]
                 qs = self._exchange([xp.matmul(mat.T, p) for mat, p in zip(ms, ps)], comm, ReduceOp.AVG, xp)

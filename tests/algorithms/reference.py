@@ -159,7 +159,7 @@ def _orthonormal(a):
 def _powersgd_redraw(seed, step, numel):
     """The values that replace an all-zero column of the warm-started Q at ``step`` (docs/architecture.md):
     MurmurHash3's 32-bit finaliser of ``mix(step * 0x9E3779B9 + seed) + position``, low 24 bits scaled to [-1, 1);
-    position counts through every compressed matrix's Q (cols x rank, row-major) in bucket order."""
+    position counts through one matrix's Q (cols x rank, row-major), wherever the matrix sits in its bucket."""
     def mix(h):
         h = h ^ (h >> np.uint32(16))
         h = h * np.uint32(0x85EBCA6B)
@@ -186,10 +186,6 @@ def powersgd(steps, shapes, rank=1, start=0, min_rate=2.0, error_feedback=True, 
         offset += numel
     rng = np.random.default_rng(seed)
     initial = {t[0]: rng.standard_normal(t[3] * t[4]).reshape(t[3], t[4]) for t in tensors if t[4]}
-    q_offsets, q_numel = {}, 0  # where each matrix's Q sits in the concatenation of all (for the redraw)
-    for off, _, _, cols, r in tensors:
-        q_offsets[off] = q_numel
-        q_numel += cols * r
     qs = dict(initial)
     errors = [np.zeros(len(steps[0][0])) for _ in range(n_ranks)]
     outs = []
@@ -205,7 +201,7 @@ def powersgd(steps, shapes, rank=1, start=0, min_rate=2.0, error_feedback=True, 
                 continue
             ms = [g[off : off + numel].reshape(rows, cols) for g in gs]
             q = qs[off] if warm_start else initial[off]
-            fresh = _powersgd_redraw(seed, t, q_numel)[q_offsets[off] : q_offsets[off] + cols * r].reshape(cols, r)
+            fresh = _powersgd_redraw(seed, t, cols * r).reshape(cols, r)
             q = _orthonormal(np.where((q == 0).all(axis=0), fresh, q))  # a zero column is drawn again
             p = _orthonormal(sum(m @ q for m in ms))
             q = np.mean([m.T @ p for m in ms], axis=0)

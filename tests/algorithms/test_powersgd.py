@@ -173,13 +173,18 @@ def test_wire_bytes_at_rank_two():
         2 * 3 / 4 * (12 + 60 + 9 + 2 * (16 + 12)) * 4)
 
 
-def test_state_follows_its_tensors_into_other_buckets():
+@pytest.mark.parametrize("start, zero", [(1, None), (3, 3)], ids=["live", "redrawn"])
+def test_state_follows_its_tensors_into_other_buckets(start, zero):
     """Three steps on one bucket (compressed from step 1: Q and error feedback live), the state cut per tensor
     and joined into two other buckets (other order, one padded), two more steps: each tensor's results are
-    bitwise those of two more steps on the one bucket (a comm hook under DDP's regrouping, or a resume)."""
+    bitwise those of two more steps on the one bucket (a comm hook under DDP's regrouping, or a resume).
+    "redrawn": zero gradients at the first compressed step (step 3) leave Q zero, so step 4 draws every
+    matrix's Q again, which must not depend on where the matrix sits in its bucket."""
     n, whole = 2, layout()
-    alg = PowerSGD(start_powerSGD_iter=1)
+    alg = PowerSGD(start_powerSGD_iter=start)
     inputs = [grads(n, t, whole.numel) for t in range(5)]
+    if zero is not None:
+        inputs[zero] = [np.zeros(whole.numel, np.float32) for _ in range(n)]
     groups = [[3, 0], [2, 1]]  # slots of SHAPES: the 3 x 3 and the 16 x 12; the 5 x 4 x 3 and the bias
     regrouped = [BucketLayout([f"t{i}" for i in g], [SHAPES[i] for i in g], "float32", a)
                  for g, a in zip(groups, [8, 1])]
@@ -209,6 +214,7 @@ def test_state_follows_its_tensors_into_other_buckets():
                 np.testing.assert_array_equal(moved[t][i], went_on[t][i], err_msg=f"step {t + 3} tensor {i}")
         assert [int(s.step) for s in states] == [5, 5]
         assert not states[0].error[regrouped[0].numel:].any()  # the padding's error
+        assert np.abs(went_on[1][0]).max() > 0.1 and np.abs(went_on[1][2]).max() > 0.1  # both matrices at work
 
 
 def test_split_and_join_state_round_trip():

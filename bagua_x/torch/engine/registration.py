@@ -79,7 +79,7 @@ def build_buckets(tensors: Sequence[RegisteredTensor], algorithm: Algorithm, wor
 def state_dict_of(slots: Sequence) -> dict:
     """Per-bucket algorithm state of the engine's slots (``.bucket``, ``.state``) as dicts (``_asdict()``),
     copied (so later steps do not change it)."""
-    return {s.bucket.name: {k: _copy(v) for k, v in s.state._asdict().items()} for s in slots}
+    return {s.bucket.name: {k: _copy_like(v, v) for k, v in s.state._asdict().items()} for s in slots}
 
 
 def load_states(slots: Sequence, saved: dict) -> None:
@@ -92,8 +92,14 @@ def load_states(slots: Sequence, saved: dict) -> None:
         )
     loaded = [state_from_dict(s.state, saved[s.bucket.name], f"bucket {s.bucket.name!r}") for s in slots]
     for s, state in zip(slots, loaded):
-        s.state = type(state)(*map(_copy, state))
+        s.state = type(state)(*map(_copy_like, state, s.state))
 
 
-def _copy(v):
-    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+def _copy_like(v, template):
+    """A copy of loaded value ``v`` where ``template`` (the state made at wrap) keeps it: arrays on the bucket's
+    device, the step counter on the host (``algorithms.base.counter``: a checkpoint loaded with
+    ``map_location="cuda"`` must not make ``comm.switch`` read it back from the GPU every step)."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    device = template.device if isinstance(template, torch.Tensor) else v.device
+    return v.detach().to(device, copy=True)

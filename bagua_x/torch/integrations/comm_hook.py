@@ -179,7 +179,7 @@ class CommHookState:
             piece = self._loose.pop(key, new)
             if isinstance(piece, dict):  # loaded
                 piece = state_from_dict(new, piece, f"parameter {key}")
-            piece = type(new)(*(_to(v, flat.device) for v in piece))
+            piece = type(new)(*(_like(v, fresh_v) for v, fresh_v in zip(piece, new)))
             if _shapes(piece) != _shapes(new):
                 raise BaguaXError(
                     f"the loaded state of parameter {key} has shapes {_shapes(piece)}, but this DDP model and "
@@ -228,8 +228,10 @@ def _copy(v):
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
 
-def _to(v, device):
-    return v.to(device) if isinstance(v, torch.Tensor) else v
+def _like(v, template):
+    """A loaded state value on its fresh counterpart's device: arrays on the bucket's, the step counter on the
+    host (``algorithms.base.counter``), so ``comm.switch`` never reads it back from the GPU."""
+    return v.to(template.device) if isinstance(v, torch.Tensor) else v
 
 
 def _shapes(piece: NamedTuple) -> dict:
