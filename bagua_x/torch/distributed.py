@@ -24,7 +24,7 @@ from .store import resolve_timeout, restart_count, store_allgather
 if TYPE_CHECKING:
     from .communicator import TorchCommunicator
 
-__all__ = ["ensure_initialized", "model_device", "check_one_gpu_per_rank", "check_same_model", "check_same_buckets",
+__all__ = ["ensure_initialized", "private_group", "model_device", "check_one_gpu_per_rank", "check_same_model", "check_same_buckets",
            "broadcast_tensors", "allgather_bytes"]
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,24 @@ def ensure_initialized(module: torch.nn.Module, timeout: Union[None, float, date
         dist.init_process_group(backend, **options)
     log.info("bagua_x: initialised torch.distributed (%s), rank %d of %d",
              backend, dist.get_rank(), dist.get_world_size())
+
+
+def private_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """A new process group of ``group``'s ranks and backend (``None``: the default group) for bagua_x alone.
+
+    A process group pairs collectives in the order each rank issues them, so
+    two threads must never share one: bagua_x's communication thread and the
+    user's (SyncBatchNorm, an all_gather in the loss, a second wrapped model)
+    would pair differently on different ranks -- wrong sums, or gloo's "data
+    size doesn't match".  Collective over ``group``, on the calling thread (NCCL
+    can deadlock on groups made on worker threads while others communicate).
+    A group of the whole world is made by every rank as usual; a subgroup with
+    ``use_local_synchronization``: only its members call it, so the ranks outside
+    it keep the same count of groups and stay in step for their later ones.
+    """
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks, backend=dist.get_backend(group),
+                          use_local_synchronization=len(ranks) < dist.get_world_size())
 
 
 def check_one_gpu_per_rank(device: torch.device, group: Optional[dist.ProcessGroup], timeout: float) -> None:

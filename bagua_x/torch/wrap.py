@@ -24,7 +24,7 @@ from . import kernels
 from .checks import input_problem
 from .communicator import TorchCommunicator
 from .distributed import (broadcast_tensors, check_one_gpu_per_rank, check_same_model, ensure_initialized,
-                          model_device)
+                          model_device, private_group)
 from .engine.background import AsyncAverageEngine
 from .engine.gradient import GradientEngine
 from .engine.interface import Engine, EngineOptions
@@ -56,10 +56,12 @@ class DistributedModel(torch.nn.Module):
         super().__init__()
         self.module = module
         self.algorithm = algorithm
-        self.process_group = process_group
         self.timeout = resolve_timeout(timeout, process_group)
-        self.comm = TorchCommunicator(process_group, timeout=self.timeout)
-        check_one_gpu_per_rank(model_device(module), process_group, self.timeout)
+        # a group of the same ranks for this wrapper alone: every collective below, and the communication
+        # thread's, never pairs with the user's or another wrapper's on the same group
+        self.comm = TorchCommunicator(private_group(process_group), timeout=self.timeout)
+        group = self.comm.group
+        check_one_gpu_per_rank(model_device(module), group, self.timeout)
         # always, before any other collective: a rank with another setting or node layout fails here with the rest
         self.comm.enable_hierarchical(declared_setting(algorithm), local_world_size)
         # exchanged with the model description, so a problem on any rank is raised on every rank
@@ -67,13 +69,13 @@ class DistributedModel(torch.nn.Module):
         check_same_model(module, {"algorithm": algorithm.hyperparameters(), "bucket_cap_mb": bucket_cap_mb,
                                   "find_unused_parameters": find_unused_parameters, "timeout": self.timeout,
                                   "check_finite": check_finite, "static_graph": static_graph,
-                                  "input check": problem or "passed"}, process_group)
+                                  "input check": problem or "passed"}, group)
         if problem:
             raise BaguaXError(f"bagua_x.torch.wrap: {problem}")
         params = list(module.parameters())
         if algorithm.uses_kernels and params:
             kernels.agree(self.comm, params[0].device, sum(p.numel() for p in params))
-        broadcast_tensors([*module.parameters(), *module.buffers()], process_group, timeout=self.timeout)
+        broadcast_tensors([*module.parameters(), *module.buffers()], group, timeout=self.timeout)
         self._buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
         self._sync_buffers_next = True
         options = EngineOptions(bucket_cap_mb=bucket_cap_mb, optimizer=optimizer,
@@ -90,12 +92,12 @@ class DistributedModel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         # communication still in flight ends first: the buffer broadcast below must not share the
-        # process group with it from another thread (the ranks could pair collectives differently)
+        # wrapper's process group with it from another thread (the ranks could pair collectives differently)
         self._engine.settle()
         if self._form.pending and torch.is_grad_enabled() and self._engine.enabled:  # a training step starts
             self._form.at_step(self._engine)
         if self._buffers_to_sync and self._sync_buffers_next:
-            broadcast_tensors(self._buffers_to_sync, self.process_group, timeout=self.timeout)
+            broadcast_tensors(self._buffers_to_sync, self.comm.group, timeout=self.timeout)
         self._engine.before_forward()
         out = self.module(*args, **kwargs)
         self._engine.after_forward(out)
@@ -187,7 +189,9 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
             :class:`~bagua_x.torch.QAdamOptimizer` makes QAdam the default algorithm.
         algorithm: default ``GradientAllReduce()`` (what DDP does), or QAdam
             with a QAdamOptimizer.
-        process_group: as in DDP (default: the whole world).
+        process_group: as in DDP (default: the whole world).  bagua_x communicates on a new group of
+            the same ranks and backend made here (every rank of ``process_group`` calls wrap), so the
+            user's collectives, SyncBatchNorm's or another wrapped model's never pair with its own.
         bucket_cap_mb: as in DDP; ``None`` is DDP's 25.
         find_unused_parameters: as in DDP: parameters that get no gradient are
             communicated as zeros (and keep ``p.grad`` None where no rank used
