@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 # skipped one kind (QAdam's switch, the first-step reorder) from pairing its check with another kind's
 _bucket_checks: dict = defaultdict(itertools.count)
 _device_checks = itertools.count()  # one GPU check per wrap(), in the same order on every rank
+_group_checks: dict = defaultdict(itertools.count)  # per set of ranks: its members make its groups in one order
 
 
 def model_device(module: torch.nn.Module) -> torch.device:
@@ -72,7 +73,7 @@ def ensure_initialized(module: torch.nn.Module, timeout: Union[None, float, date
              backend, dist.get_rank(), dist.get_world_size())
 
 
-def private_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+def private_group(group: Optional[dist.ProcessGroup], timeout: float) -> dist.ProcessGroup:
     """A new process group of ``group``'s ranks and backend (``None``: the default group) for bagua_x alone.
 
     A process group pairs collectives in the order each rank issues them, so
@@ -83,9 +84,14 @@ def private_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
     can deadlock on groups made on worker threads while others communicate).
     A group of the whole world is made by every rank as usual; a subgroup with
     ``use_local_synchronization``: only its members call it, so the ranks outside
-    it keep the same count of groups and stay in step for their later ones.
+    it keep the same count of groups and stay in step for their later ones.  The ranks first meet in the
+    store: one that never comes fails the others within ``timeout`` seconds, named, instead of a
+    rendezvous that waits for it until the process group's timeout.
     """
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    store_allgather(f"group/{ranks[0]}+{len(ranks)}/{next(_group_checks[tuple(ranks)])}", b"", group, timeout,
+                    "bagua_x: making a process group of its own (every rank of the group calls wrap() or "
+                    "CommHookState())")
     return dist.new_group(ranks, backend=dist.get_backend(group),
                           use_local_synchronization=len(ranks) < dist.get_world_size())
 

@@ -69,7 +69,7 @@ class AsyncAverageEngine:
             )
         self.algorithm = algorithm
         # its own group, made from the wrapper's (its ranks and backend): never interleaves with others
-        self.comm = TorchCommunicator(private_group(comm.group), timeout=comm.timeout)
+        self.comm = TorchCommunicator(private_group(comm.group, comm.timeout), timeout=comm.timeout)
         tensors = register_parameters(named_params, Target.WEIGHT)
         self.buckets: list[Bucket] = build_buckets(tensors, algorithm, self.comm.size, options.bucket_cap_mb,
                                                    "weight_bucket_")

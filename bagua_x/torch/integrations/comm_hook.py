@@ -109,7 +109,8 @@ class CommHookState:
             raise BaguaXError("CommHookState needs torch.distributed: call torch.distributed.init_process_group() "
                               "first (the same group DDP uses)")
         self.algorithm = algorithm
-        self.comm = TorchCommunicator(private_group(process_group), timeout=resolve_timeout(timeout, process_group))
+        timeout = resolve_timeout(timeout, process_group)
+        self.comm = TorchCommunicator(private_group(process_group, timeout), timeout=timeout)
         #: DDP bucket index -> (its parameters' positions, its layout, its algorithm state)
         self.buckets: "dict[int, tuple[tuple[int, ...], BucketLayout, NamedTuple]]" = {}
         #: parameter position -> its state while in no bucket (left behind by DDP's regrouping: a NamedTuple;
