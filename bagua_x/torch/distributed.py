@@ -24,8 +24,8 @@ from .store import resolve_timeout, restart_count, store_allgather
 if TYPE_CHECKING:
     from .communicator import TorchCommunicator
 
-__all__ = ["ensure_initialized", "private_group", "model_device", "check_one_gpu_per_rank", "check_same_model", "check_same_buckets",
-           "broadcast_tensors", "allgather_bytes"]
+__all__ = ["ensure_initialized", "private_group", "model_device", "check_one_gpu_per_rank", "check_same_model",
+           "check_same_buckets", "broadcast_tensors", "allgather_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +80,13 @@ def private_group(group: Optional[dist.ProcessGroup], timeout: float) -> dist.Pr
     two threads must never share one: bagua_x's communication thread and the
     user's (SyncBatchNorm, an all_gather in the loss, a second wrapped model)
     would pair differently on different ranks -- wrong sums, or gloo's "data
-    size doesn't match".  Collective over ``group``, on the calling thread (NCCL
-    can deadlock on groups made on worker threads while others communicate).
-    A group of the whole world is made by every rank as usual; a subgroup with
-    ``use_local_synchronization``: only its members call it, so the ranks outside
-    it keep the same count of groups and stay in step for their later ones.  The ranks first meet in the
-    store: one that never comes fails the others within ``timeout`` seconds, named, instead of a
-    rendezvous that waits for it until the process group's timeout.
+    size doesn't match".  Collective over ``group``, made on the calling thread
+    (NCCL can deadlock on groups made on worker threads while others
+    communicate).  The ranks first meet in the store, so one that never comes
+    fails the others within ``timeout`` seconds, named.  A group of the whole
+    world is made by every rank as usual; a subgroup with
+    ``use_local_synchronization``: only its members call it, and the ranks
+    outside it keep the same count of groups, in step for their later ones.
     """
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     store_allgather(f"group/{ranks[0]}+{len(ranks)}/{next(_group_checks[tuple(ranks)])}", b"", group, timeout,
