@@ -180,7 +180,9 @@ class TorchCommunicator:
         """Offer ``Feature.HIERARCHICAL`` where the algorithm runs over nodes (collective: every rank calls it once).
 
         ``setting`` is the algorithm's ``hierarchical=`` (``False`` only takes
-        part in the check).  Nodes are consecutive blocks of
+        part in the check).  The node groups are made of this communicator's
+        ranks with its backend (wrap's own group: the user's collectives never
+        pair with them either).  Nodes are consecutive blocks of
         ``local_world_size`` ranks (torchrun's ``LOCAL_WORLD_SIZE``).  Every
         rank first checks through the store that all see the same setting and
         layout (:func:`~.nodes.agree_on_nodes`): the same BaguaXError on every
@@ -200,9 +202,9 @@ class TorchCommunicator:
         local, size = layout.local, self._size
         blocks = [list(range(n * local, (n + 1) * local)) for n in range(layout.nodes)]
         places = [list(range(i, size, local)) for i in range(local)]
-        mine = []
-        for ranks in blocks + places:  # every rank creates every group, in the same order
-            group = dist.new_group(ranks)
+        mine, backend = [], dist.get_backend(self.group)
+        for ranks in blocks + places:  # every rank creates every group, in the same order, at wrap
+            group = dist.new_group([self._global(r) for r in ranks], backend=backend)
             if self._rank in ranks:
                 mine.append(TorchCommunicator(group, timeout=self.timeout))
         self._node_comms = tuple(mine)

@@ -24,8 +24,8 @@ from .store import resolve_timeout, restart_count, store_allgather
 if TYPE_CHECKING:
     from .communicator import TorchCommunicator
 
-__all__ = ["ensure_initialized", "model_device", "check_one_gpu_per_rank", "check_same_model", "check_same_buckets",
-           "broadcast_tensors", "allgather_bytes"]
+__all__ = ["ensure_initialized", "private_group", "model_device", "check_one_gpu_per_rank", "check_same_model",
+           "check_same_buckets", "broadcast_tensors", "allgather_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 # skipped one kind (QAdam's switch, the first-step reorder) from pairing its check with another kind's
 _bucket_checks: dict = defaultdict(itertools.count)
 _device_checks = itertools.count()  # one GPU check per wrap(), in the same order on every rank
+_group_checks: dict = defaultdict(itertools.count)  # per set of ranks: its members make its groups in one order
 
 
 def model_device(module: torch.nn.Module) -> torch.device:
@@ -70,6 +71,29 @@ def ensure_initialized(module: torch.nn.Module, timeout: Union[None, float, date
         dist.init_process_group(backend, **options)
     log.info("bagua_x: initialised torch.distributed (%s), rank %d of %d",
              backend, dist.get_rank(), dist.get_world_size())
+
+
+def private_group(group: Optional[dist.ProcessGroup], timeout: float) -> dist.ProcessGroup:
+    """A new process group of ``group``'s ranks and backend (``None``: the default group) for bagua_x alone.
+
+    A process group pairs collectives in the order each rank issues them, so
+    two threads must never share one: bagua_x's communication thread and the
+    user's (SyncBatchNorm, an all_gather in the loss, a second wrapped model)
+    would pair differently on different ranks -- wrong sums, or gloo's "data
+    size doesn't match".  Collective over ``group``, made on the calling thread
+    (NCCL can deadlock on groups made on worker threads while others
+    communicate).  The ranks first meet in the store, so one that never comes
+    fails the others within ``timeout`` seconds, named.  A group of the whole
+    world is made by every rank as usual; a subgroup with
+    ``use_local_synchronization``: only its members call it, and the ranks
+    outside it keep the same count of groups, in step for their later ones.
+    """
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    store_allgather(f"group/{ranks[0]}+{len(ranks)}/{next(_group_checks[tuple(ranks)])}", b"", group, timeout,
+                    "bagua_x: making a process group of its own (every rank of the group calls wrap() or "
+                    "CommHookState())")
+    return dist.new_group(ranks, backend=dist.get_backend(group),
+                          use_local_synchronization=len(ranks) < dist.get_world_size())
 
 
 def check_one_gpu_per_rank(device: torch.device, group: Optional[dist.ProcessGroup], timeout: float) -> None:

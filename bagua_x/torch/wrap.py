@@ -15,6 +15,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..algorithms import GradientAllReduce
 from ..algorithms.base import Algorithm, Phase, Target
@@ -24,7 +26,7 @@ from . import kernels
 from .checks import input_problem
 from .communicator import TorchCommunicator
 from .distributed import (broadcast_tensors, check_one_gpu_per_rank, check_same_model, ensure_initialized,
-                          model_device)
+                          model_device, private_group)
 from .engine.background import AsyncAverageEngine
 from .engine.gradient import GradientEngine
 from .engine.interface import Engine, EngineOptions
@@ -35,6 +37,11 @@ from .node_form import NodeForm
 from .nodes import declared_setting
 from .optim import QAdamOptimizer
 from .store import resolve_timeout
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.4
+    from torch.distributed._tensor import DTensor
 
 __all__ = ["wrap", "DistributedModel"]
 
@@ -56,24 +63,26 @@ class DistributedModel(torch.nn.Module):
         super().__init__()
         self.module = module
         self.algorithm = algorithm
-        self.process_group = process_group
         self.timeout = resolve_timeout(timeout, process_group)
-        self.comm = TorchCommunicator(process_group, timeout=self.timeout)
-        check_one_gpu_per_rank(model_device(module), process_group, self.timeout)
+        # a group of the same ranks for this wrapper alone: every collective below, and the communication
+        # thread's, never pairs with the user's or another wrapper's on the same group
+        self.comm = TorchCommunicator(private_group(process_group, self.timeout), timeout=self.timeout)
+        group = self.comm.group
+        check_one_gpu_per_rank(model_device(module), group, self.timeout)
         # always, before any other collective: a rank with another setting or node layout fails here with the rest
         self.comm.enable_hierarchical(declared_setting(algorithm), local_world_size)
         # exchanged with the model description, so a problem on any rank is raised on every rank
-        problem = input_problem(module)
+        problem = misuse_problem(module) or input_problem(module)
         check_same_model(module, {"algorithm": algorithm.hyperparameters(), "bucket_cap_mb": bucket_cap_mb,
                                   "find_unused_parameters": find_unused_parameters, "timeout": self.timeout,
                                   "check_finite": check_finite, "static_graph": static_graph,
-                                  "input check": problem or "passed"}, process_group)
+                                  "input check": problem or "passed"}, group)
         if problem:
             raise BaguaXError(f"bagua_x.torch.wrap: {problem}")
         params = list(module.parameters())
         if algorithm.uses_kernels and params:
             kernels.agree(self.comm, params[0].device, sum(p.numel() for p in params))
-        broadcast_tensors([*module.parameters(), *module.buffers()], process_group, timeout=self.timeout)
+        broadcast_tensors([*module.parameters(), *module.buffers()], group, timeout=self.timeout)
         self._buffers_to_sync = list(module.buffers()) if broadcast_buffers else []
         self._sync_buffers_next = True
         options = EngineOptions(bucket_cap_mb=bucket_cap_mb, optimizer=optimizer,
@@ -82,6 +91,8 @@ class DistributedModel(torch.nn.Module):
         self._engine: Engine = _engine_class(algorithm)(list(module.named_parameters()), algorithm, self.comm,
                                                           options=options)
         self._form = NodeForm(algorithm, self.comm)  # hierarchical=None on nodes: the first steps are timed
+        for p in params:
+            _wrapped_parameters[p] = True
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -90,12 +101,12 @@ class DistributedModel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         # communication still in flight ends first: the buffer broadcast below must not share the
-        # process group with it from another thread (the ranks could pair collectives differently)
+        # wrapper's process group with it from another thread (the ranks could pair collectives differently)
         self._engine.settle()
         if self._form.pending and torch.is_grad_enabled() and self._engine.enabled:  # a training step starts
             self._form.at_step(self._engine)
         if self._buffers_to_sync and self._sync_buffers_next:
-            broadcast_tensors(self._buffers_to_sync, self.process_group, timeout=self.timeout)
+            broadcast_tensors(self._buffers_to_sync, self.comm.group, timeout=self.timeout)
         self._engine.before_forward()
         out = self.module(*args, **kwargs)
         self._engine.after_forward(out)
@@ -150,8 +161,46 @@ class DistributedModel(torch.nn.Module):
         return self._engine
 
     def shutdown(self) -> None:
-        """Remove hooks and stop background threads (the model stays usable, unsynchronised)."""
+        """Remove hooks and stop background threads (the model stays usable, unsynchronised, and may be
+        wrapped again)."""
         self._engine.close()
+        for p in self.module.parameters():
+            _wrapped_parameters.pop(p, None)
+
+
+#: the parameters of every wrapper not shut down (its hooks, buckets and thread act on them)
+_wrapped_parameters = WeakIdKeyDictionary()
+
+
+def misuse_problem(module: torch.nn.Module) -> Optional[str]:
+    """What makes ``module`` one wrap() would train wrong (or crash on), and the fix; None if nothing.
+
+    Wrapping a wrapper, DDP, or a model a live wrapper holds makes two communication layers act on the
+    same gradients (averaged twice, or out of step across ranks: weights drift apart silently); FSDP's
+    sharded parameters (DTensors) are not whole tensors bagua_x can replicate.
+    """
+    for name, sub in module.named_modules():
+        where = "the model" if not name else f"its submodule {name!r}"
+        if isinstance(sub, DistributedModel):
+            return (f"{where} is already wrapped by bagua_x.torch.wrap: train with that wrapper as it is, or call "
+                    "its shutdown() and wrap its .module (wrapping a wrapper communicates every gradient twice)")
+        if isinstance(sub, torch.nn.parallel.DistributedDataParallel):
+            return (f"{where} is a torch DistributedDataParallel, which already averages the gradients: wrap the "
+                    "model itself, wrap(ddp.module), without DDP; or keep DDP and run the bagua_x algorithm as its "
+                    "communication hook: ddp.register_comm_hook(bxt.CommHookState(algorithm), bxt.comm_hook)")
+        if isinstance(sub, FullyShardedDataParallel):
+            return (f"{where} is sharded by FSDP, which bagua_x does not support (it keeps whole parameters on "
+                    "every rank): train it with FSDP alone, or wrap the model without FSDP")
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            return (f"parameter {name!r} is a DTensor (sharded: FSDP's fully_shard, tensor parallelism), which "
+                    "bagua_x does not support (it keeps whole parameters on every rank): train with FSDP alone, "
+                    "or wrap the model with plain parameters")
+        if p in _wrapped_parameters:
+            return (f"parameter {name!r} already belongs to a model wrapped by bagua_x.torch.wrap (this model, or "
+                    "one sharing its parameters): use that wrapper, or call its shutdown() before wrapping again "
+                    "(two wrappers would each communicate and overwrite the same gradients)")
+    return None
 
 
 def _engine_class(algorithm: Algorithm) -> type:
@@ -181,13 +230,17 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     communicates on CUDA streams of its own (see ``docs/architecture.md``).
 
     Args:
-        model: the module, on the device it trains on (one device per process).
+        model: the module, on the device it trains on (one device per process): the plain model, not
+            a wrapper (DDP, FSDP, wrap's own) nor one a wrapper not shut down holds (refused, with the fix).
+            Freeze parameters (``requires_grad=False``) before wrapping: wrap registers those that train.
         optimizer: needed by algorithms that act after ``optimizer.step()``
             (weight algorithms, AsyncModelAverage); a
             :class:`~bagua_x.torch.QAdamOptimizer` makes QAdam the default algorithm.
         algorithm: default ``GradientAllReduce()`` (what DDP does), or QAdam
             with a QAdamOptimizer.
-        process_group: as in DDP (default: the whole world).
+        process_group: as in DDP (default: the whole world).  bagua_x communicates on a new group of
+            the same ranks and backend made here (every rank of ``process_group`` calls wrap), so the
+            user's collectives, SyncBatchNorm's or another wrapped model's never pair with its own.
         bucket_cap_mb: as in DDP; ``None`` is DDP's 25.
         find_unused_parameters: as in DDP: parameters that get no gradient are
             communicated as zeros (and keep ``p.grad`` None where no rank used

@@ -193,7 +193,7 @@ def crafted_pickle_refused(marker):
 
     import bagua_x.torch as bxt
     from bagua_x.core.errors import BaguaXError
-    from bagua_x.torch.distributed import allgather_bytes, check_same_buckets
+    from bagua_x.torch.distributed import allgather_bytes, check_same_buckets, private_group
     from bagua_x.torch.nodes import agree_on_nodes
     from bagua_x.torch.store import restart_count
 
@@ -201,8 +201,9 @@ def crafted_pickle_refused(marker):
     payload = pickle.dumps(_Planted(marker))
     out = {}
     if rank == 1:
-        agree_on_nodes(bxt.TorchCommunicator(), False)  # passes wrap's node check, as GradientAllReduce would
-        allgather_bytes(payload, None, torch.device("cpu"))  # where wrap() gathers model descriptions
+        group = private_group(None, 20.0)  # wrap's own group, made first
+        agree_on_nodes(bxt.TorchCommunicator(group), False)  # passes wrap's node check, as GradientAllReduce would
+        allgather_bytes(payload, group, torch.device("cpu"))  # where wrap() gathers model descriptions
         dist.distributed_c10d._get_default_store().set(f"bagua_x/check/{restart_count()}/buckets/0/1", payload)
         dist.barrier()
         return out

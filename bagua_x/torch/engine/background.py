@@ -39,7 +39,6 @@ import time
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ...algorithms.allreduce import GradientAllReduce
 from ...algorithms.base import EmptyState, Target
@@ -49,6 +48,7 @@ from ...core.comm import ReduceOp
 from ...core.errors import BaguaXError
 from .. import streams
 from ..communicator import TorchCommunicator
+from ..distributed import private_group
 from .gradient import GradientEngine
 from .interface import EngineOptions
 from .registration import build_buckets, register_parameters
@@ -68,9 +68,8 @@ class AsyncAverageEngine:
                 "bagua_x.torch.wrap(model, optimizer, algorithm=AsyncModelAverage(...))"
             )
         self.algorithm = algorithm
-        ranks = None if comm.group is None else dist.get_process_group_ranks(comm.group)
-        # its own group: never interleaves with others
-        self.comm = TorchCommunicator(dist.new_group(ranks), timeout=comm.timeout)
+        # its own group, made from the wrapper's (its ranks and backend): never interleaves with others
+        self.comm = TorchCommunicator(private_group(comm.group, comm.timeout), timeout=comm.timeout)
         tensors = register_parameters(named_params, Target.WEIGHT)
         self.buckets: list[Bucket] = build_buckets(tensors, algorithm, self.comm.size, options.bucket_cap_mb,
                                                    "weight_bucket_")

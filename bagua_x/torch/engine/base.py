@@ -154,6 +154,10 @@ class BackwardEngine(BucketedEngine):
             slot = self.slots[k]
             self._worker.submit(slot.what, functools.partial(self._reduce, slot, slot.bucket.buffer), slot.bucket)
 
+    def _frozen(self, i: int) -> bool:
+        """Tensor ``i``'s parameter was frozen after wrap (its hook never fires): for the error that follows."""
+        return not self._tensors[i].proxy.requires_grad
+
     def _before_wait(self) -> None:
         """End of backward, before waiting: tensors no rank made ready are marked here (find_unused)."""
         if self.find_unused:
@@ -174,7 +178,7 @@ class BackwardEngine(BucketedEngine):
                 self._on_ready(i)
             self._before_wait()
             self._worker.wait()
-            self._ready.check_all_launched()
+            self._ready.check_all_launched(self._frozen)
             self._after_wait()
         finally:
             self._ready.reset()

@@ -142,7 +142,7 @@ class GradientEngine(BackwardEngine):
         """Handle unused parameters; after the first backward, rebuild the buckets and launch them all."""
         self._without_grad = self._mark_unused() if self.find_unused else None
         if self._recorder.recording:
-            self._ready.check_all_launched()  # every gradient came (else the error names the missing ones)
+            self._ready.check_all_launched(self._frozen)  # every gradient came (else the error names the missing ones)
             self._rebuild(self._recorder.agree(self.comm, self._tensors))
             self._ready.reset()  # the counts of the recorded backward (the buckets may be the same)
             for i in range(len(self._tensors)):  # now communicate the first step's gradients in the new buckets

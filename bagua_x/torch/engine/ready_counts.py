@@ -29,7 +29,7 @@ tensor index: the hook's hot path is a few list operations, no call into core.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ...core.errors import BaguaXError
 
@@ -109,12 +109,19 @@ class ReadyCounts:
         """Tensors not final in the buckets not launched yet (e.g. parameters unused in forward), in bucket order."""
         return [i for m in self._members[self._next:] for i in m if not self._done[i]]
 
-    def check_all_launched(self) -> None:
+    def check_all_launched(self, frozen: Callable[[int], bool]) -> None:
+        """Raise naming the first bucket not launched and its tensors never marked ready; ``frozen(i)``:
+        tensor ``i``'s parameter no longer requires grad (frozen after wrap, so its hook never fires)."""
         if self._next < len(self._members):
-            missing = [self._names[i] for i in self._members[self._next] if not self._done[i]]
+            missing = [i for i in self._members[self._next] if not self._done[i]]
+            names = [self._names[i] for i in missing]
+            now_frozen = [self._names[i] for i in missing if frozen(i)]
+            cause = (f"parameters {now_frozen} have requires_grad=False, set after wrap() registered them: freeze "
+                     "parameters before wrap(), or call shutdown() and wrap the model again after freezing"
+                     if now_frozen else "a parameter unused in forward? wrap with find_unused_parameters=True")
             raise BaguaXError(
-                f"bucket {self._buckets[self._next]!r} was never dispatched: tensors {missing} were not marked ready "
-                "this step (a parameter unused in forward? wrap with find_unused_parameters=True)"
+                f"bucket {self._buckets[self._next]!r} was never dispatched: tensors {names} were not marked ready "
+                f"this step ({cause})"
             )
 
     def reset(self) -> None:

@@ -61,6 +61,7 @@ from ...core.comm import Feature
 from ...core.errors import BaguaXError
 from .. import streams
 from ..communicator import TorchCommunicator
+from ..distributed import private_group
 from ..engine.base import reduce_in_place
 from ..runtime import CommWorker
 from ..store import resolve_timeout
@@ -108,9 +109,8 @@ class CommHookState:
             raise BaguaXError("CommHookState needs torch.distributed: call torch.distributed.init_process_group() "
                               "first (the same group DDP uses)")
         self.algorithm = algorithm
-        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-        self.comm = TorchCommunicator(dist.new_group(ranks, backend=dist.get_backend(process_group)),
-                                      timeout=resolve_timeout(timeout, process_group))
+        timeout = resolve_timeout(timeout, process_group)
+        self.comm = TorchCommunicator(private_group(process_group, timeout), timeout=timeout)
         #: DDP bucket index -> (its parameters' positions, its layout, its algorithm state)
         self.buckets: "dict[int, tuple[tuple[int, ...], BucketLayout, NamedTuple]]" = {}
         #: parameter position -> its state while in no bucket (left behind by DDP's regrouping: a NamedTuple;

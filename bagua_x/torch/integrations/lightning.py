@@ -24,10 +24,10 @@ What differs from DDPStrategy, and why:
 * The optimizer is created *before* wrapping (DDPStrategy creates it after):
   weight and momentum algorithms hook ``optimizer.step()``.  One optimizer
   per module (wrap takes one).
-* bagua_x communicates on its own process group, made from the default one,
-  so its communication thread never interleaves collectives with the ones
-  Lightning issues meanwhile (``self.log(..., sync_dist=True)`` during an
-  exchange, barriers, broadcasts).  Pass ``process_group=`` to choose it.
+* bagua_x communicates on its own process group (wrap makes one from the
+  default group, or from ``process_group=``), so its communication thread
+  never interleaves collectives with the ones Lightning issues meanwhile
+  (``self.log(..., sync_dist=True)`` during an exchange, barriers, broadcasts).
   Hierarchical variants see Lightning's nodes (``num_nodes`` nodes of
   ``devices`` ranks): ``hierarchical=None`` runs in the faster form, timed, with
   >= 2 nodes of >= 2 ranks, as under wrap().
@@ -52,7 +52,6 @@ from contextlib import contextmanager
 from typing import Any, Generator, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
@@ -114,8 +113,6 @@ class BaguaXStrategy(DDPStrategy):
             )
         optimizer = self.optimizers[0] if self.optimizers else None
         kwargs = {"local_world_size": self.num_processes, **self._ddp_kwargs, **self._wrap_kwargs}
-        if "process_group" not in kwargs:
-            kwargs["process_group"] = dist.new_group(backend=dist.get_backend())  # collective: every rank
         self._wrapped = wrap(model, optimizer, algorithm=self.algorithm, **kwargs)
         log.info("BaguaXStrategy: %s", type(self._wrapped.algorithm).__name__)
         return self._wrapped
