@@ -17,8 +17,8 @@ Two timings, as in torch (:mod:`~bagua_x.core.autotune`):
   the step loop, so the reduce timing stands.
 
 The form is a leaf of each bucket's state: where it is measured, a bucket's
-state is a :class:`MeasuredState` (an int32 code and the algorithm's state),
-and the step runs the form the code names (:func:`run_in_form`:
+state is a :class:`MeasuredState` (an int32 code and the algorithm's state;
+static, the wrap whose trial may switch it), and the step runs the form the code names (:func:`run_in_form`:
 ``lax.switch`` between the two forms, both compiled into the step), so a
 trial switches forms by changing a leaf of the step's input, with no new
 compile.  The code also says whether a trial may still change the form
@@ -32,8 +32,11 @@ state refers to the peers of one form (``state_follows_form``:
 LowPrecisionDecentralized's neighbour estimates are of devices in one form and
 of nodes in the other) is restarted at a switch (``RESTART``, cleared by the
 step): the weights become the devices' average and the state starts afresh
-from them, as at ``init``.  Under ``shard_map`` there are no node groups: the
-code is carried, the step runs flat and ``dp.step`` runs no trial.
+from them, as at ``init``; whether a step restarts is read from the code of
+the state passed in (the form it last ran in), so a call that raised or held
+no state (an evaluation through ``dp.step``) loses no restart.  Under
+``shard_map`` there are no node groups: the code is carried, the step runs
+flat and ``dp.step`` runs no trial.
 """
 
 from __future__ import annotations

@@ -269,10 +269,13 @@ class DataParallel:
         (instead of JAX's ``JaxRuntimeError`` around it).
 
         Where ``wrap`` measured the form (``hierarchical=None`` on node groups),
-        the first 12 steps through it are a trial: it switches the form in the
-        bagua_x states among ``fn``'s arguments, times each step, and then
-        keeps the form the slowest process's median step favours, logged
-        (:class:`~.node_form.StepForms`).  Without a watchdog or a trial it
+        the first 12 steps through it are a trial: it switches the form in
+        this wrap's bagua_x states among ``fn``'s arguments, times each step,
+        and then keeps the form the slowest process's median step favours,
+        logged (:class:`~.node_form.StepForms`).  A call whose arguments hold
+        none of them (an evaluation) or that raises is not a step of the
+        trial; another wrap's states pass unchanged (drive them with its
+        ``step`` too: ``a.step(b.step(fn))``).  Without a watchdog or a trial it
         returns ``fn`` unchanged.
         """
         watchdog = self._watchdog
