@@ -18,8 +18,9 @@ Two timings, as in torch (:mod:`~bagua_x.core.autotune`):
 
 The form is a leaf of each bucket's state: where it is measured, a bucket's
 state is a :class:`MeasuredState` (an int32 code and the algorithm's state;
-static, the wrap whose trial may switch it), and the step runs the form the code names (:func:`run_in_form`:
-``lax.switch`` between the two forms, both compiled into the step), so a
+static, the wrap whose trial may switch it), and the step runs the form the
+code names (:func:`run_in_form`: ``lax.switch`` between the two forms, both
+compiled into the step), so a
 trial switches forms by changing a leaf of the step's input, with no new
 compile.  The code also says whether a trial may still change the form
 (``UNDECIDED``: ``init``'s; a trial's decision clears it), so a state restored
@@ -41,9 +42,9 @@ flat and ``dp.step`` runs no trial.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-import itertools
 from typing import Any, Callable, Optional, Sequence
 
 import jax
