@@ -17,9 +17,10 @@ Two timings, as in torch (:mod:`~bagua_x.core.autotune`):
   the step loop, so the reduce timing stands.
 
 The form is a leaf of each bucket's state: where it is measured, a bucket's
-state is a :class:`MeasuredState` (an int32 code and the algorithm's state),
-and the step runs the form the code names (:func:`run_in_form`:
-``lax.switch`` between the two forms, both compiled into the step), so a
+state is a :class:`MeasuredState` (an int32 code and the algorithm's state;
+static, the wrap whose trial may switch it), and the step runs the form the
+code names (:func:`run_in_form`: ``lax.switch`` between the two forms, both
+compiled into the step), so a
 trial switches forms by changing a leaf of the step's input, with no new
 compile.  The code also says whether a trial may still change the form
 (``UNDECIDED``: ``init``'s; a trial's decision clears it), so a state restored
@@ -32,15 +33,19 @@ state refers to the peers of one form (``state_follows_form``:
 LowPrecisionDecentralized's neighbour estimates are of devices in one form and
 of nodes in the other) is restarted at a switch (``RESTART``, cleared by the
 step): the weights become the devices' average and the state starts afresh
-from them, as at ``init``.  Under ``shard_map`` there are no node groups: the
-code is carried, the step runs flat and ``dp.step`` runs no trial.
+from them, as at ``init``; whether a step restarts is read from the code of
+the state passed in (the form it last ran in), so a call that raised or held
+no state (an evaluation through ``dp.step``) loses no restart.  Under
+``shard_map`` there are no node groups: the code is carried, the step runs
+flat and ``dp.step`` runs no trial.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -63,11 +68,28 @@ UNDECIDED = 2  # bit: the form comes from the reduce timing at wrap; a trial of 
 RESTART = 4  # bit: average the weights and restart the state before this step (a switch; the step clears it)
 
 
-class MeasuredState(NamedTuple):
-    """A bucket's state where the form is measured: the form's code as a leaf, so a checkpoint keeps it."""
+@jax.tree_util.register_pytree_with_keys_class
+class MeasuredState:
+    """A bucket's state where the form is measured: the form's code as a leaf, so a checkpoint keeps it.
 
-    hierarchical: Any  # int32 scalar: OVER_NODES | UNDECIDED | RESTART bits
-    state: Any  # the algorithm's own state
+    ``owner`` (static, in the tree's structure) names the wrap whose trial
+    may switch it (:attr:`StepForms.owner`): the states of two wraps may go
+    through one ``dp.step``, and each wrap's trial switches its own only.
+    """
+
+    def __init__(self, hierarchical: Any, state: Any, owner: int):
+        self.hierarchical, self.state, self.owner = hierarchical, state, owner
+
+    def __repr__(self) -> str:
+        return f"MeasuredState(hierarchical={self.hierarchical!r}, state={self.state!r}, owner={self.owner})"
+
+    def tree_flatten_with_keys(self):
+        keys = jax.tree_util.GetAttrKey
+        return ((keys("hierarchical"), self.hierarchical), (keys("state"), self.state)), self.owner
+
+    @classmethod
+    def tree_unflatten(cls, owner: int, children) -> "MeasuredState":
+        return cls(*children, owner)
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -114,12 +136,13 @@ def measured_form(algorithm: Algorithm, layouts: Sequence[BucketLayout], axis_na
     return choose_form(run, slowest_over_devices(axis_name), type(algorithm).__name__).two_level
 
 
-def with_form(states: tuple, two_level: Optional[bool]) -> tuple:
-    """Bucket states with the measured form beside them, undecided (unchanged where it was not measured)."""
-    if two_level is None:
+def with_form(states: tuple, forms: Optional["StepForms"]) -> tuple:
+    """Bucket states with the form ``forms``' wrap measured beside them, undecided, owned by that wrap
+    (unchanged where no form was measured: ``forms`` None)."""
+    if forms is None:
         return states
-    code = UNDECIDED | (OVER_NODES if two_level else 0)
-    return tuple(MeasuredState(jnp.asarray(code, jnp.int32), st) for st in states)
+    code = UNDECIDED | (OVER_NODES if forms.two_level else 0)
+    return tuple(MeasuredState(jnp.asarray(code, jnp.int32), st, forms.owner) for st in states)
 
 
 def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, comm: AxisCommunicator,
@@ -151,72 +174,117 @@ def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, 
     else:
         out, inner = comm.switch(code & OVER_NODES, [lambda a: fn(*a, layout, inner, flat),
                                                      lambda a: fn(*a, layout, inner, comm)], args)
-    return out, MeasuredState(code & ~RESTART, inner)
+    return out, MeasuredState(code & ~RESTART, inner, state.owner)
+
+
+_owners = itertools.count()  # StepForms.owner: one per wrap with a measured form, in this process
 
 
 class StepForms:
     """``dp.step``'s trial: its first steps alternate the forms, timed, then every process keeps the faster.
 
-    The forms are switched by writing the code of every :class:`MeasuredState`
-    in the step's arguments (:class:`~bagua_x.core.autotune.StepTrial`'s plan;
-    with ``RESTART`` where the algorithm's state follows the form); the time of
-    a step is its call through ``dp.step``, which waits for its results
-    (:meth:`before`, the call, :meth:`after`).  A restart runs inside the
-    step, at a block's untimed first step (the plan's), so it is not timed.
-    The decision makes the states :class:`DecidedState`
-    (after one more switchable step where it restarts the state).  No trial
-    where the arguments hold no undecided measured state (say so), where they
-    hold a decided one (restored: keep its form, static), or where the traced
-    step has no node groups (``shard_map``: it runs flat).
+    The forms are switched by writing the code of the wrap's own measured
+    states (:class:`MeasuredState`) in the step's arguments
+    (:class:`~bagua_x.core.autotune.StepTrial`'s plan; with ``RESTART`` where
+    the algorithm's state follows the form and the plan's form is not the one
+    the state passed in last ran in, as its code says); the time of a step is
+    its call through ``dp.step``, which waits for its results (:meth:`before`,
+    the call, :meth:`after`).  A restart runs inside the step, at a block's
+    untimed first step (the plan's), so it is not timed.  Only a call whose
+    arguments hold the wrap's undecided states is a step of the trial, and
+    only once it has returned: a call without them (an evaluation) passes
+    through, and a call that raised is not counted, so the next call runs the
+    same planned step -- with its restart, since the state passed in says
+    which form it ran in.  The decision makes the states
+    :class:`DecidedState` (after one more switchable step where it restarts
+    the state).  No trial where the arguments hold a decided state (restored:
+    keep its form, static), or where the traced step has no node groups
+    (``shard_map``: it runs flat).  Another wrap's states pass through
+    unchanged: that wrap's own ``dp.step`` drives them.
     """
 
-    def __init__(self, algorithm: Algorithm, axis_name):
+    def __init__(self, algorithm: Algorithm, axis_name, two_level: bool):
         self.algorithm, self.axis_name = algorithm, axis_name
+        self.two_level = two_level  # the form timed at wrap, which init puts in the states
+        self.owner = next(_owners)  # the MeasuredState.owner of this wrap's states
         self.done = False
         #: set while the step is traced: whether it holds both forms (node groups); None: not traced yet
         self.forms_in_step: Optional[bool] = None
         self._trial = StepTrial()
-        self._running: Optional[int] = None  # the form the states passed last were run in
-        self._decided: Optional[int] = None  # the form decided at a step that also restarted the state
+        self._form: Optional[int] = None  # the trial's decision
+        self._started: Optional[float] = None  # the start of the trial step under way
+        self._told: set[str] = set()  # the notes logged once
 
     def before(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``args, kwargs`` with the form of the step about to run written into their measured states."""
-        name = type(self.algorithm).__name__
-        if self._decided is not None:  # the deciding step restarted the state: from now on, the form alone
-            return self._stop(_write((args, kwargs), self._decided, static=True))
-        codes = _codes((args, kwargs))
-        if self._running is None:  # the first step through dp.step
-            if not codes:
-                log.info("bagua_x: %s keeps its form: the arguments of dp.step's function hold no undecided bagua_x "
-                         "state to switch the form in", name)
-                return self._stop((args, kwargs))
-            code = _read(codes[0])
-            if not code & UNDECIDED:
+        """``args, kwargs`` with the form of the step about to run written into this wrap's measured states."""
+        name, tree, self._started = type(self.algorithm).__name__, (args, kwargs), None
+        states = [m for m in jax.tree.leaves(tree, is_leaf=_is_state) if isinstance(m, MeasuredState)]
+        mine = [m.hierarchical for m in states if m.owner == self.owner]
+        if len(mine) < len(states):
+            self._note("others", "bagua_x: %s: the arguments of dp.step's function also hold another wrap's bagua_x "
+                       "states; they keep their form unless that wrap's dp.step drives them too "
+                       "(dp_a.step(dp_b.step(fn)))", name)
+        if not mine:
+            self._note("none", "bagua_x: %s: a call through dp.step whose arguments hold no bagua_x state of this "
+                       "wrap is not a step of the trial of forms (a step that closes over its state keeps the form "
+                       "timed at wrap)", name)
+            return args, kwargs
+        code = _read(mine[0])
+        if not code & UNDECIDED:  # decided: before this trial (a restored state), or by it after a restart
+            if self._form is None:
                 log.info("bagua_x: %s runs %s, as in the state passed to dp.step (decided before)", name,
                          "over nodes" if code & OVER_NODES else "flat")
-                return self._stop(_write((args, kwargs), code, static=True))
-            self._running = code & OVER_NODES
-        elif self.forms_in_step is False:
+            return self._stop(self._write(tree, code, static=True))
+        if self.forms_in_step is False:
             log.info("bagua_x: %s runs flat: the step has no node groups (shard_map), so the forms are not timed",
                      name)
-            return self._stop((args, kwargs))
+            return self._stop(tree)
         planned = self._trial.form()
         if planned is None:  # decided: the form alone, after one more switchable step where it restarts
-            form = int(self._trial.choose(slowest_over_devices(self.axis_name), name).two_level)
-            if self.algorithm.state_follows_form and form != self._running:
-                self._decided = form
-                return _write((args, kwargs), form | RESTART)
-            return self._stop(_write((args, kwargs), form, static=True))
+            if self._form is None:
+                self._form = int(self._trial.choose(slowest_over_devices(self.axis_name), name).two_level)
+            if self._restarts(self._form, code):
+                return self._write(tree, self._form | RESTART)
+            return self._stop(self._write(tree, self._form, static=True))
         form = int(planned)
-        restart = RESTART if self.algorithm.state_follows_form and form != self._running else 0
-        self._running = form
-        args, kwargs = _write((args, kwargs), UNDECIDED | form | restart)
-        self._trial.begin(time.perf_counter())
-        return args, kwargs
+        tree = self._write(tree, UNDECIDED | form | (RESTART if self._restarts(form, code) else 0))
+        self._started = time.perf_counter()
+        return tree
 
     def after(self) -> None:
-        """The step started by the last :meth:`before` has finished (its results are ready)."""
-        self._trial.end(time.perf_counter())
+        """The call started by the last :meth:`before` has returned, its results ready: a trial step is over."""
+        if self._started is not None:
+            self._trial.begin(self._started)
+            self._trial.end(time.perf_counter())
+            self._started = None
+
+    def _restarts(self, form: int, code: int) -> bool:
+        """Whether running ``form`` on a state whose ``code`` says the form it ran in restarts the state."""
+        return self.algorithm.state_follows_form and form != code & OVER_NODES
+
+    def _write(self, tree, code: int, static: bool = False):
+        """``tree`` with this wrap's measured states' code set to ``code``, placed as the old one (no new compile);
+        with ``static``, as a :class:`DecidedState` of that form (compiled once more, with the form alone)."""
+        def put(old):
+            value = np.full(np.shape(old), code, np.int32)
+            if isinstance(old, jax.Array):
+                return jax.make_array_from_callback(old.shape, old.sharding, lambda index: value[index])
+            return value
+
+        def rewrite(m):
+            if not isinstance(m, MeasuredState) or m.owner != self.owner:
+                return m
+            if static:
+                return DecidedState(bool(code & OVER_NODES), put(m.hierarchical), m.state)
+            return MeasuredState(put(m.hierarchical), m.state, m.owner)
+
+        return jax.tree.map(rewrite, tree, is_leaf=_is_state)
+
+    def _note(self, key: str, message: str, *args) -> None:
+        """Log ``message`` at the first call that needs it only."""
+        if key not in self._told:
+            self._told.add(key)
+            log.info(message, *args)
 
     def _stop(self, tree: tuple) -> tuple[tuple, dict]:
         self.done = True
@@ -227,35 +295,11 @@ def _is_state(x) -> bool:
     return isinstance(x, (MeasuredState, DecidedState))
 
 
-def _codes(tree) -> list:
-    """The code leaves of the (switchable) measured states in ``tree``."""
-    return [m.hierarchical for m in jax.tree.leaves(tree, is_leaf=_is_state) if isinstance(m, MeasuredState)]
-
-
 def _read(code) -> int:
-    """One device's value of a code leaf (a tiny transfer, once, allowed under a transfer guard)."""
+    """One device's value of a code leaf (a tiny transfer, allowed under a transfer guard)."""
     with jax.transfer_guard("allow"):
         shards = getattr(code, "addressable_shards", None)
         return int(np.asarray(shards[0].data if shards else code).reshape(-1)[0])
-
-
-def _write(tree, code: int, static: bool = False):
-    """``tree`` with every measured state's code set to ``code``, placed as the old one (no new compile); with
-    ``static``, as a :class:`DecidedState` of that form (compiled once more, with the form alone)."""
-    def put(old):
-        value = np.full(np.shape(old), code, np.int32)
-        if isinstance(old, jax.Array):
-            return jax.make_array_from_callback(old.shape, old.sharding, lambda index: value[index])
-        return value
-
-    def rewrite(m):
-        if not isinstance(m, MeasuredState):
-            return m
-        if static:
-            return DecidedState(bool(code & OVER_NODES), put(m.hierarchical), m.state)
-        return m._replace(hierarchical=put(m.hierarchical))
-
-    return jax.tree.map(rewrite, tree, is_leaf=_is_state)
 
 
 def slowest_over_devices(axis_name) -> Callable[[Sequence[float]], list[float]]:

@@ -130,10 +130,10 @@ class DataParallel:
             "bagua_x.jax.wrap: the params trees or settings differ across processes",
         )
         # hierarchical=None on nodes: flat or over nodes, timed here (every process wraps); None: not measured
-        self._two_level = measured_form(self.algorithm, self.layouts, axis_name, self.world_size,
-                                        devices_per_node or min(default_local_size(), self.world_size))
+        two_level = measured_form(self.algorithm, self.layouts, axis_name, self.world_size,
+                                  devices_per_node or min(default_local_size(), self.world_size))
         # then, through dp.step, a trial of whole training steps decides
-        self._forms = StepForms(self.algorithm, axis_name) if self._two_level is not None else None
+        self._forms = StepForms(self.algorithm, axis_name, two_level) if two_level is not None else None
         logger.info(
             "bagua_x.jax.wrap: %d leaves in %d buckets, %s, world size %d%s",
             len(flat), len(self.bucket_leaves), self.algorithm.hyperparameters(), self.world_size,
@@ -174,7 +174,7 @@ class DataParallel:
         return with_form(tuple(
             self.algorithm.init(layout.pack([leaves[i] for i in bucket], xp=jnp), layout, self.world_size)
             for bucket, layout in zip(self.bucket_leaves, self.layouts)
-        ), self._two_level)
+        ), self._forms)
 
     def init(self, params: Any = None, mesh: Optional[jax.sharding.Mesh] = None) -> tuple:
         """:meth:`init_state` (from ``params``, default the wrapped ones) on every device.
@@ -241,7 +241,7 @@ class DataParallel:
             return with_form(tuple(
                 algorithm.init(jnp.zeros((layout.padded_numel,), leaves[bucket[0]].dtype), layout, self.world_size)
                 for bucket, layout in zip(self.bucket_leaves, self.layouts)
-            ), self._two_level)
+            ), self._forms)
 
         def update(grads, state, params=None):
             if params is None:
@@ -269,10 +269,13 @@ class DataParallel:
         (instead of JAX's ``JaxRuntimeError`` around it).
 
         Where ``wrap`` measured the form (``hierarchical=None`` on node groups),
-        the first 12 steps through it are a trial: it switches the form in the
-        bagua_x states among ``fn``'s arguments, times each step, and then
-        keeps the form the slowest process's median step favours, logged
-        (:class:`~.node_form.StepForms`).  Without a watchdog or a trial it
+        the first 12 steps through it are a trial: it switches the form in
+        this wrap's bagua_x states among ``fn``'s arguments, times each step,
+        and then keeps the form the slowest process's median step favours,
+        logged (:class:`~.node_form.StepForms`).  A call whose arguments hold
+        none of them (an evaluation) or that raises is not a step of the
+        trial; another wrap's states pass unchanged (drive them with its
+        ``step`` too: ``a.step(b.step(fn))``).  Without a watchdog or a trial it
         returns ``fn`` unchanged.
         """
         watchdog = self._watchdog

@@ -339,3 +339,53 @@ def trial_worker(name: str, at_wrap: dict, in_steps: dict, total: int, saves: tu
     finally:
         jax.distributed.shutdown()
     return out
+
+
+# -- the trial through dp.step with other calls in between ---------------------------------------------------------
+
+def interrupted_worker(in_steps: dict, trial: int, total: int, evals: tuple, raises: tuple) -> dict:
+    """LowPrecisionDecentralized at hierarchical=None through ``dp.step`` for ``total`` steps, one form slowed by
+    ``in_steps`` in the training step: each step first moves this process's weights by noise of its own (the
+    first ``trial`` steps; then none, so the weights can only agree or not), then syncs them.  Before the steps in
+    ``evals``, an evaluation through ``dp.step`` (its arguments hold the weights, no bagua_x state); before those
+    in ``raises``, a call of the training step that raises before running (a bad batch).  Per step: the codes in
+    the state and this process's weights."""
+    import jax
+    import jax.numpy as jnp
+
+    import bagua_x.jax as bxj
+    from bagua_x.algorithms import LowPrecisionDecentralized
+
+    bxj.init_distributed()
+    try:
+        rank = jax.process_index()
+        params = {"w": np.zeros(32, np.float32)}
+        noise = np.random.default_rng(rank).standard_normal((total, 1, 32)).astype(np.float32) * 0.01
+        noise[trial:] = 0
+        delays = {}
+        dp = bxj.wrap(params, algorithm=_slowed(LowPrecisionDecentralized(), delays))
+        delays.update(in_steps)  # the steps are traced at their first call, with these
+        sync = jax.pmap(lambda p, s, n: dp.sync_params({"w": p["w"] + n}, s), axis_name="batch")
+
+        def step(p, s, n):
+            if n is None:
+                raise ValueError("a bad batch")
+            return sync(p, s, n)
+
+        train = dp.step(step)
+        evaluate = dp.step(jax.pmap(lambda p: jnp.sum(p["w"] ** 2), axis_name="batch"))
+        carry, steps = (dp.replicate(params), dp.init()), []
+        with _Records() as messages:
+            for s in range(total):
+                if s in evals:
+                    evaluate(carry[0])
+                if s in raises:
+                    try:
+                        train(*carry, None)
+                    except ValueError:
+                        pass
+                carry = train(*carry, noise[s])
+                steps.append((_codes(carry[1]), _host_local(carry[0]["w"])))
+    finally:
+        jax.distributed.shutdown()
+    return {"steps": steps, "messages": messages}

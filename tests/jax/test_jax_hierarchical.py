@@ -178,11 +178,68 @@ def test_a_measured_form_under_shard_map_runs_flat(caplog):
         in caplog.messages, caplog.messages
 
 
-def test_dp_step_keeps_the_wrap_timing_where_its_function_takes_no_bagua_x_state(caplog):
-    """A step that closes over its bagua_x state gives the trial nothing to switch: it says so and stops."""
-    params = w.make_params(0)
-    dp = wrap(params, algorithm=ByteGrad(), devices_per_node=LOCAL)
+PLAN = [0, 0, 0, 1, 1, 1]  # the first forms of dp.step's trial (1: over nodes), StepTrial's plan
+UNDECIDED = 2
+
+
+def _codes(state):
+    """Each bucket's form code (device 0's) of a measured state, pmap layout."""
+    return [int(m.hierarchical[0]) for m in state]
+
+
+def test_dp_step_calls_without_bagua_x_state_or_that_raise_are_not_trial_steps(caplog):
+    """A call whose arguments hold no bagua_x state (an evaluation, a step that closes over its state) passes
+    through, said once, and a call that raises is not counted: neither ends nor advances the trial, so the calls
+    holding the state run the plan's steps in order, as without them."""
+    dp = wrap(w.make_params(0), algorithm=ByteGrad(), devices_per_node=LOCAL)
+    evaluate, train = dp.step(lambda a: a + 1), dp.step(lambda state: state)  # train: returns the state written
+
+    @dp.step
+    def fails(state):
+        raise ValueError("a bad batch")
+
+    state, codes = dp.init(), []
     with caplog.at_level("INFO", logger="bagua_x"):
-        assert dp.step(lambda a: a + 1)(1) == 2
-    assert ("bagua_x: ByteGrad keeps its form: the arguments of dp.step's function hold no undecided bagua_x "
-            "state to switch the form in") in caplog.messages, caplog.messages
+        for s in range(len(PLAN)):
+            assert evaluate(s) == s + 1
+            if s in (1, 3):
+                with pytest.raises(ValueError, match="a bad batch"):
+                    fails(state)
+            state = train(state)
+            codes.append(_codes(state))
+    assert codes == [[UNDECIDED | f] for f in PLAN]
+    assert caplog.messages == ["bagua_x: ByteGrad: a call through dp.step whose arguments hold no bagua_x state of "
+                               "this wrap is not a step of the trial of forms (a step that closes over its state "
+                               "keeps the form timed at wrap)"], caplog.messages
+
+
+def test_two_wraps_states_through_one_dp_step_are_each_driven_by_their_own_wrap(caplog):
+    """Two LowPrecisionDecentralized wraps whose states go through one function: through ``a.step`` alone, the
+    trial switches ``a``'s states only, and ``b``'s weights come out bitwise as from the plain calls of the same
+    step (its state's form untouched); through ``a.step(b.step(fn))`` each wrap runs its own trial."""
+    alg, params = LowPrecisionDecentralized(), {"w": np.zeros(32, np.float32)}
+    a, b = (wrap(params, algorithm=alg, devices_per_node=LOCAL) for _ in range(2))
+    noise = np.random.default_rng(5).standard_normal((len(PLAN), N, 32)).astype(np.float32) * 0.01
+
+    def step_of(a, b):
+        return jax.pmap(lambda pa, sa, pb, sb, n: (*a.sync_params({"w": pa["w"] + n}, sa),
+                                                  *b.sync_params({"w": pb["w"] + n}, sb)), axis_name="batch")
+
+    def run(fn):
+        carry, codes = (a.replicate(params), a.init(), b.replicate(params), b.init()), []
+        for n in noise:
+            carry = fn(*carry, n)
+            codes.append((_codes(carry[1]), _codes(carry[3])))
+        return carry, codes
+
+    step = step_of(a, b)
+    plain, _ = run(step)
+    with caplog.at_level("INFO", logger="bagua_x"):
+        through_a, codes = run(a.step(step))
+    assert codes == [([UNDECIDED | f], _codes(b.init())) for f in PLAN]
+    np.testing.assert_array_equal(through_a[2]["w"], plain[2]["w"])
+    assert np.abs(through_a[0]["w"] - plain[0]["w"]).max() > 0  # a's switched (the forms differ)
+    assert any("also hold another wrap's bagua_x states" in m for m in caplog.messages), caplog.messages
+    a, b = (wrap(params, algorithm=alg, devices_per_node=LOCAL) for _ in range(2))  # fresh trials
+    _, codes = run(a.step(b.step(step_of(a, b))))
+    assert codes == [([UNDECIDED | f], [UNDECIDED | f]) for f in PLAN]

@@ -170,3 +170,28 @@ def test_whole_steps_through_dp_step_decide_the_form(name, expected, tmp_path):
         assert [codes for codes, _ in during["steps"]] == (trial + decided)[:total - 4]
         found = [m for m in map(TRIAL.fullmatch, during["messages"]) if m]
         assert len(found) == 1 and found[0].group(1) == expected, during["messages"]
+
+
+def test_calls_between_the_trial_steps_keep_its_plan_and_restarts():
+    """LowPrecisionDecentralized's trial with an evaluation through dp.step (no bagua_x state in its arguments)
+    before steps 0, 3 (a switch) and 12 (the decision, which switches back to flat), and a training call that
+    raises before steps 6 (a switch) and 12: the training steps run the plan as they would alone, every switch
+    restarts from the processes' average (equal weights), and after the trial, with no more noise, the weights
+    agree on every process.  The reference is the uninterrupted trial: its plan, and a switch's restart."""
+    slow_over_nodes = {(p, True): 0.05 for p in range(4)}  # in every process: the decision is flat
+    trial, total = len(PLAN), len(PLAN) + 3
+    res = run_workers("bx_jax_node_workers:interrupted_worker", nproc=4, timeout=300, env=ENV,
+                      args=(slow_over_nodes, trial, total, (0, 3, 12), (6, 12)))
+    want = ([[("MeasuredState", UNDECIDED | f)] for f in PLAN] + [[("MeasuredState", 0)]]
+            + [[("DecidedState", 0)]] * (total - trial - 1))
+    for r in res:
+        assert [codes for codes, _ in r["steps"]] == want, r["messages"]
+    spread = [max(float(np.abs(r["steps"][s][1] - res[0]["steps"][s][1]).max()) for r in res[1:])
+              for s in range(total)]
+    print("spread per step:", spread)
+    forms = [0] + PLAN + [0] * (total - trial)
+    for s in range(total):
+        if forms[s + 1] != forms[s] or s >= trial:  # a switch restarts from the average; then no noise
+            assert spread[s] == 0, (s, spread)
+        else:
+            assert spread[s] > 1e-4, (s, spread)
