@@ -117,6 +117,22 @@ def test_check_finite_is_off_by_default():
     assert run_workers("bx_fault_workers:bad_input", nproc=2, timeout=60, env=ENV, args=("nonfinite_off",)) == \
         [None, None]
 
+@pytest.mark.parametrize("name, kwargs", [
+    # communication_interval=2: step 1 exchanges nothing, so only rank 1 holds the NaN after it
+    ("Decentralized", {"communication_interval": 2}),
+    ("Decentralized", {"peer_selection_mode": "shift_one", "communication_interval": 2}),
+    ("LowPrecisionDecentralized", {}),  # rank 0 gets 8-bit codes of the difference: its weights stay finite
+])
+def test_check_finite_on_weights_raises_on_every_rank(name, kwargs):
+    """A NaN weight on rank 1 only: the ranks agree on the check, so both raise at the same step naming the
+    tensor, at once (before the agreement, rank 0 went on and waited out the 20 s timeout in the next exchange)."""
+    res = run_workers("bx_fault_workers:nonfinite_weights", nproc=2, timeout=90, env=ENV, args=(name, kwargs))
+    for step, message, seconds in res:
+        assert step == 1, res
+        assert "non-finite weights after communication in bucket" in message and "'2.weight'" in message, message
+        assert seconds < 10, res
+    assert "this rank's own weights was finite" in res[0][1] and "already non-finite in ['2.weight']" in res[1][1]
+
 
 def test_qadam_rebuild_is_checked_across_ranks():
     """QAdam rebuilds its buckets when warmup ends: ranks that switch at different steps fail within the timeout
