@@ -89,6 +89,7 @@ class BucketedEngine:
                  options: EngineOptions, thread_name: str):
         self.algorithm, self.comm, self.check_finite = algorithm, comm, options.check_finite
         self.enabled = True  # False inside no_sync()
+        self.synced_steps = 0  # see Engine.synced_steps
         self.slots: list[BucketSlot] = []
         self._worker = CommWorker(thread_name, tensors[0].proxy.device, comm.timeout, StallInspector(comm.group))
 
@@ -177,6 +178,7 @@ class BackwardEngine(BucketedEngine):
             self._worker.wait()
             self._ready.check_all_launched()
             self._after_wait()
+            self.synced_steps += 1
         finally:
             self._ready.reset()
 
