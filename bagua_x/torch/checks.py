@@ -10,10 +10,15 @@ instead of surfacing later as a failed collective or a wrong result:
   gradients, which buckets cannot hold);
 * all trainable parameters on one device (one communication thread per device).
 
-``check_finite`` runs on the communication thread *after* the reduction, so
-every rank sees the same reduced values and raises the same error at the same
-step (no rank is left waiting in the next collective); the message also says
-whether this rank's own contribution was already non-finite.
+``check_finite`` runs on the communication thread *after* the reduction, and
+the ranks agree on its outcome there (a MIN allreduce of "finite" flags, in
+bucket order like every job of that thread) before any raises: a weight
+algorithm's reduced values differ by rank (a neighbour's NaN reaches one peer,
+a step between exchanges keeps each rank's own), so a rank that looked only at
+its own values would raise alone and leave its peers waiting in the next
+collective.  Every rank raises the same error at the same step, naming the
+tensors non-finite on any rank; the message also says whether this rank's own
+contribution was already non-finite.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Optional
 import torch
 
 from ..core.bucket import Bucket
+from ..core.comm import Communicator, ReduceOp
 from ..core.errors import BaguaXError
 
 __all__ = ["input_problem", "check_dense_grad", "non_finite_tensors", "check_finite"]
@@ -69,14 +75,23 @@ def non_finite_tensors(bucket: Bucket, flat: torch.Tensor) -> list[str]:
             if not bool(torch.isfinite(flat[s.offset:s.offset + s.numel]).all())]
 
 
-def check_finite(bucket: Bucket, flat: torch.Tensor, local_bad: list[str], what: str) -> None:
-    """Raise naming the tensors of ``bucket`` whose reduced values (``flat``) are not finite."""
-    bad = non_finite_tensors(bucket, flat)
-    if bad:
-        mine = (f"this rank's own {what} was already non-finite in {local_bad}" if local_bad
-                else f"this rank's own {what} was finite, so another rank contributed the NaN/inf")
-        raise BaguaXError(
-            f"non-finite {what} after communication in bucket {bucket.name!r}: tensors {bad} ({mine}); "
-            "lower the learning rate, clip gradients or use loss scaling, or wrap with check_finite=False to skip "
-            "this check"
-        )
+def check_finite(bucket: Bucket, flat: torch.Tensor, local_bad: list[str], what: str, comm: Communicator) -> None:
+    """Raise, on every rank of ``comm`` alike, naming the tensors of ``bucket`` whose reduced values (``flat``)
+    are not finite on some rank (collective: one flag allreduced per bucket, one per tensor after a failure)."""
+    if _finite_everywhere(comm, torch.isfinite(flat).all().reshape(1))[0]:
+        return
+    slots = bucket.layout.slots
+    finite = torch.stack([torch.isfinite(flat[s.offset:s.offset + s.numel]).all() for s in slots])
+    bad = [s.name for s, ok in zip(slots, _finite_everywhere(comm, finite)) if not ok]
+    mine = (f"this rank's own {what} was already non-finite in {local_bad}" if local_bad
+            else f"this rank's own {what} was finite, so another rank contributed the NaN/inf")
+    raise BaguaXError(
+        f"non-finite {what} after communication in bucket {bucket.name!r}: tensors {bad} (on at least one rank; "
+        f"{mine}); lower the learning rate, clip gradients or use loss scaling, or wrap with check_finite=False to "
+        "skip this check"
+    )
+
+
+def _finite_everywhere(comm: Communicator, finite: torch.Tensor) -> list[bool]:
+    """Each flag of ``finite`` (1-d, booleans) true on every rank: their MIN over ``comm``, read on the host."""
+    return [bool(f) for f in comm.allreduce(finite.to(torch.int32), ReduceOp.MIN).tolist()]

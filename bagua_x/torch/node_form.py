@@ -3,7 +3,9 @@
 The first training steps are the trial (:class:`~bagua_x.core.autotune.StepTrial`):
 at each one's forward (nothing in flight) the communicator is switched to the
 step's form (:meth:`~.communicator.TorchCommunicator.use_nodes`, the node
-groups stay), so the engines, QAdam's warmup allreduce included, follow it;
+groups stay), so the engines, QAdam's warmup allreduce included, follow it.
+A step is one the engine communicated on every rank (``Engine.synced_steps``),
+so a rank's extra forwards (with grad on) never move its plan ahead alone;
 after the trial every rank takes the form the slowest rank's median step
 favours.  Whole steps are timed, not a reduce alone: what a form costs the
 rest of the step (cores shared with compute, links shared with the data
@@ -48,6 +50,7 @@ class NodeForm:
         self.two_level: Optional[bool] = None  # chosen (or loaded) form; None: not yet
         self._trial: Optional[StepTrial] = None  # the steps being timed
         self._running: Optional[bool] = None  # the form the trial's current step runs in
+        self._synced = 0  # the engine's synced_steps when the trial last advanced
         self._state_fits = True  # the state fits either form (made at wrap), or the one running
         self._device = torch.device("cpu")
 
@@ -56,11 +59,19 @@ class NodeForm:
         return self.measured and self.two_level is None
 
     def at_step(self, engine) -> None:
-        """A training step starts (its forward; nothing in flight): end the last step's timing and run this one
-        in the trial's next form; after the trial, take the faster form (collective: every rank's steps)."""
+        """A forward with grad (nothing in flight): if the engine communicated a step since the trial last
+        advanced, that step is over: end its timing and run the next in the trial's next form; after the trial,
+        take the faster form (collective: every rank's steps).
+
+        The trial advances on steps every rank communicated (``engine.synced_steps``), not on forwards: a rank
+        running an extra forward with grad on (logging predictions) would otherwise move its plan ahead alone,
+        and the ranks, running different forms, would wait on each other until the timeout."""
         if self._trial is None:
             self._trial = StepTrial()
             self._device = engine.buckets[0].buffer.device if engine.buckets else torch.device("cpu")
+        elif engine.synced_steps == self._synced:
+            return
+        self._synced = engine.synced_steps
         self._trial.end(time.perf_counter())
         form = self._trial.form()
         if form is None:

@@ -42,10 +42,13 @@ class CommWorker:
     the caller's current stream wait for the side stream: no host sync.  On
     the CPU a launched job is a finished one.
 
-    Bounds, ``timeout`` seconds: a job that blocks the thread (gloo's wait, a
-    collective stuck in C++) cannot be interrupted, but :meth:`wait` gives up
-    after ``timeout`` with a BaguaXError naming the bucket and, from the
-    :class:`StallInspector`, the ranks that had not marked it ready.  A job
+    Bounds, ``timeout`` seconds per job: a job that blocks the thread (gloo's
+    wait, a collective stuck in C++) cannot be interrupted, but :meth:`wait`
+    gives up once the job running has run ``timeout`` seconds (counted from the
+    later of its submission and the previous job's end, so on a slow link a
+    wait for many buckets that each finish in time never raises) with a
+    BaguaXError naming the bucket and, from the :class:`StallInspector`, the
+    ranks that had not marked it ready.  A job
     whose collective runs on after it returns (NCCL) is followed by an event
     on the side stream with a deadline (launch + ``timeout``); the thread
     polls the oldest such event while idle (``event.query()``, no blocking)
@@ -75,6 +78,7 @@ class CommWorker:
         self._error: Optional[BaseException] = None
         self._stuck: Optional[BaguaXError] = None
         self._current: tuple[str, Optional[Bucket]] = ("", None)
+        self._since = 0.0  # when the thread's next (or running) job could start: its clock for wait()'s timeout
         # (deadline, event after the job, what, bucket) of launched jobs whose work may still run, oldest first
         self._running: collections.deque = collections.deque()
         self._poll = None if timeout is None else min(0.05, timeout / 20)
@@ -90,6 +94,8 @@ class CommWorker:
         (a DDP future) hears why."""
         ready = streams.record(streams.current(self._device))
         with self._done:
+            if self._pending == 0:  # else its clock starts when the job before it ends
+                self._since = time.monotonic()
             self._pending += 1
         self._jobs.put((what, job, bucket, ready, skipped))
 
@@ -132,6 +138,7 @@ class CommWorker:
         finally:
             with self._done:
                 self._pending -= 1
+                self._since = time.monotonic()
                 self._done.notify_all()
 
     def _check_deadline(self) -> None:
@@ -161,11 +168,13 @@ class CommWorker:
             raise self._stuck
 
     def wait(self) -> None:
-        """Block until every submitted job was launched (at most ``timeout`` seconds), then make the caller's
-        current stream wait for them; re-raise the first failure here."""
+        """Block until every submitted job was launched (raising once one job takes over ``timeout`` seconds),
+        then make the caller's current stream wait for them; re-raise the first failure here."""
         self.check()
         with self._done:
-            launched = self._done.wait_for(lambda: self._pending == 0, self._timeout)
+            while self._pending and (self._timeout is None or time.monotonic() < self._since + self._timeout):
+                self._done.wait(None if self._timeout is None else self._since + self._timeout - time.monotonic())
+            launched = self._pending == 0
             error, self._error = (self._error, None) if launched else (None, self._error)
         if not launched:
             what, bucket = self._current

@@ -256,7 +256,7 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
             process group is unusable afterwards: exit and restart from a checkpoint.
         check_finite: raise when a communicated value (gradient, weight or QAdam
             momentum) is NaN or infinite after the reduction, naming the tensor,
-            on every rank at the same step.  Reads one flag per bucket on the host.
+            on every rank at the same step.  Allreduces one flag per bucket and reads it on the host.
         device_ids: ``None`` or ``[the parameters' device]`` (an int is an index
             on that device type); several devices are refused (one process per device).
         output_device: ``None`` or the parameters' device; outputs stay where the

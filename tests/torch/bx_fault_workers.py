@@ -139,6 +139,29 @@ def bad_input(case):
 
 
 
+def nonfinite_weights(name, kwargs, timeout=20.0):
+    """A weight algorithm with check_finite; rank 1 alone gets a NaN weight before step 1's forward.
+    Returns (step, message, seconds since wrap) of the BaguaXError this rank raised, or None."""
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x import algorithms
+    from bagua_x.core.errors import BaguaXError
+
+    rank, _ = _init()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = bxt.wrap(model, opt, algorithm=getattr(algorithms, name)(**kwargs), check_finite=True, timeout=timeout)
+    start = time.monotonic()
+    for step in range(4):
+        if rank == 1 and step == 1:
+            with torch.no_grad():
+                model[2].weight[0, 0] = float("nan")
+        try:
+            _step(wrapped, opt)
+        except BaguaXError as e:
+            return step, str(e), time.monotonic() - start
+    return None
 def qadam_switch_mismatch(timeout=4.0):
     """Rank 1's QAdam optimizer is past warmup (as if it loaded a later checkpoint), rank 0's is not."""
     import bagua_x.torch as bxt

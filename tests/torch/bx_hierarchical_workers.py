@@ -278,3 +278,40 @@ def measured_resume(name: str, first: dict, second: dict, total: int, k: int, pa
     out["resumed"] = _train_measured(_slowed(base, slowed), rank, range(k, total), slowed, 100 + rank, load=file)
     dist.destroy_process_group()
     return out
+
+
+def extra_forward(name: str, steps: int = 14):
+    """``name`` (an algorithm, or "QAdam": its optimizer, warmup ending inside the trial) at hierarchical=None,
+    rank 0 running an extra forward with grad on after each optimizer step (as when logging predictions);
+    returns (over nodes?, the log, params)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import bagua_x.torch as bxt
+    from bagua_x import algorithms
+    from bagua_x.core.comm import Feature
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    xs = torch.randn(steps, 16, 5, generator=g)
+    ys = xs.sum(-1, keepdim=True).sin()
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    if name == "QAdam":
+        opt, algorithm = bxt.QAdamOptimizer(model.parameters(), lr=0.02, warmup_steps=5), None
+    else:
+        opt, algorithm = torch.optim.SGD(model.parameters(), lr=0.1), getattr(algorithms, name)()
+    with _Records() as messages:
+        wrapped = bxt.wrap(model, opt, algorithm=algorithm, timeout=5)
+        for s in range(steps):
+            opt.zero_grad()
+            F.mse_loss(wrapped(xs[s]), ys[s]).backward()
+            opt.step()
+            if rank == 0:
+                wrapped(xs[s])  # grad on, never backpropagated
+    two_level = Feature.HIERARCHICAL in wrapped.comm.features
+    wrapped.shutdown()
+    dist.destroy_process_group()
+    return two_level, list(messages), [p.detach().clone().numpy() for p in model.parameters()]

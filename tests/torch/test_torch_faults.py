@@ -73,6 +73,33 @@ def test_stall_report_names_a_dead_rank_as_not_answering():
     assert "rank 2: no answer" not in message and "rank 3: no answer" not in message, message
 
 
+def test_the_timeout_bounds_each_job_not_the_sum_of_those_waited_for():
+    """On a slow link a backward's buckets may take longer in all than the timeout while each finishes in time:
+    the wait goes on; a job of its own past the timeout raises, naming it (the communication thread, in-process)."""
+    import time
+
+    import torch
+
+    from bagua_x.core.errors import BaguaXError
+    from bagua_x.torch.runtime import CommWorker
+
+    worker = CommWorker("test-comm", torch.device("cpu"), timeout=1.5)
+    try:
+        for i in range(7):
+            worker.submit(f"bucket {i}", lambda: time.sleep(0.4))
+        worker.wait()  # 2.8 s in all
+        time.sleep(1.6)  # idle for longer than the timeout: the next job's clock starts when it is submitted
+        worker.submit("bucket 7", lambda: time.sleep(0.4))
+        worker.wait()
+        worker.submit("the stuck bucket", lambda: time.sleep(3))
+        start = time.monotonic()
+        with pytest.raises(BaguaXError, match="the stuck bucket did not complete within 1.5 s"):
+            worker.wait()
+        assert time.monotonic() - start < 2.9
+    finally:
+        worker.close()
+
+
 def test_no_store_request_per_step():
     """Steady-state training makes no store request at all: launch counts stay in memory until a wait fails."""
     for out in run_workers("bx_fault_workers:store_requests_during_training", nproc=2, timeout=120, env=ENV):
@@ -116,6 +143,22 @@ def test_bad_input_is_named(case, expected):
 def test_check_finite_is_off_by_default():
     assert run_workers("bx_fault_workers:bad_input", nproc=2, timeout=60, env=ENV, args=("nonfinite_off",)) == \
         [None, None]
+
+@pytest.mark.parametrize("name, kwargs", [
+    # communication_interval=2: step 1 exchanges nothing, so only rank 1 holds the NaN after it
+    ("Decentralized", {"communication_interval": 2}),
+    ("Decentralized", {"peer_selection_mode": "shift_one", "communication_interval": 2}),
+    ("LowPrecisionDecentralized", {}),  # rank 0 gets 8-bit codes of the difference: its weights stay finite
+])
+def test_check_finite_on_weights_raises_on_every_rank(name, kwargs):
+    """A NaN weight on rank 1 only: the ranks agree on the check, so both raise at the same step naming the
+    tensor, at once (before the agreement, rank 0 went on and waited out the 20 s timeout in the next exchange)."""
+    res = run_workers("bx_fault_workers:nonfinite_weights", nproc=2, timeout=90, env=ENV, args=(name, kwargs))
+    for step, message, seconds in res:
+        assert step == 1, res
+        assert "non-finite weights after communication in bucket" in message and "'2.weight'" in message, message
+        assert seconds < 10, res
+    assert "this rank's own weights was finite" in res[0][1] and "already non-finite in ['2.weight']" in res[1][1]
 
 
 def test_qadam_rebuild_is_checked_across_ranks():

@@ -155,6 +155,23 @@ def test_default_form_is_measured_and_every_rank_takes_the_same(name, expected):
         assert not same[4] and not same[7], same  # no restart inside a block: the ranks' weights differ
 
 
+@pytest.mark.parametrize("name", ["ByteGrad", "LowPrecisionDecentralized", "QAdam"])
+def test_an_extra_forward_on_one_rank_does_not_split_the_trial(name):
+    """Rank 0 runs a forward with grad on after every step of the trial: the trial counts the steps every rank
+    communicated, not forwards, so all ranks run the same form at each step and take the same decision (before,
+    rank 0's plan ran ahead, the ranks' collectives went to different groups and every rank timed out)."""
+    res = run_workers("bx_hierarchical_workers:extra_forward", nproc=4, args=(name,), timeout=180, env=ENV)
+    decisions = [[m for m in log if "by measurement" in m] for _, log, _ in res]
+    assert len(decisions[0]) == 1 and all(d == decisions[0] for d in decisions), decisions  # times included
+    assert len({two_level for two_level, _, _ in res}) == 1
+    for _, _, params in res[1:]:
+        for a, b in zip(res[0][2], params):
+            if name == "LowPrecisionDecentralized":  # decentralized: each rank has weights of its own
+                assert np.isfinite(b).all()
+            else:  # the exchanged gradient / momentum is the same on every rank
+                np.testing.assert_array_equal(a, b)
+
+
 def test_resume_keeps_the_measured_form_bitwise(tmp_path):
     """Timed over nodes in the first run; the resumed run would time flat faster, but keeps the checkpoint's form
     (LowPrecisionDecentralized's neighbour estimates are of nodes there) and continues bitwise."""

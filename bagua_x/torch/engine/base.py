@@ -53,7 +53,8 @@ def reduce_in_place(algorithm: Algorithm, flat: torch.Tensor, layout, state: dic
                     finite: Optional[tuple[Bucket, str]] = None) -> dict:
     """``flat <- reduce(flat)``, in place; returns the new state: the one call site of the algorithm interface
     in the torch frontend (engines and the comm hook).  ``finite``, a bucket and what it holds ("gradient"...):
-    raise naming its tensors when a reduced value is NaN or infinite (wrap's ``check_finite``)."""
+    raise naming its tensors when a reduced value is NaN or infinite on any rank, on every rank alike (wrap's
+    ``check_finite``; collective, so every rank passes ``finite`` or none)."""
     local_bad = non_finite_tensors(finite[0], flat) if finite else []
     if algorithm.donates_input:
         with comm.donate(flat):
@@ -63,7 +64,7 @@ def reduce_in_place(algorithm: Algorithm, flat: torch.Tensor, layout, state: dic
     if out is not flat:
         flat.copy_(out)
     if finite:
-        check_finite(finite[0], flat, local_bad, finite[1])
+        check_finite(finite[0], flat, local_bad, finite[1], comm)
     return state
 
 
@@ -88,6 +89,7 @@ class BucketedEngine:
                  options: EngineOptions, thread_name: str):
         self.algorithm, self.comm, self.check_finite = algorithm, comm, options.check_finite
         self.enabled = True  # False inside no_sync()
+        self.synced_steps = 0  # see Engine.synced_steps
         self.slots: list[BucketSlot] = []
         self._worker = CommWorker(thread_name, tensors[0].proxy.device, comm.timeout, StallInspector(comm.group))
 
@@ -180,6 +182,7 @@ class BackwardEngine(BucketedEngine):
             self._worker.wait()
             self._ready.check_all_launched(self._frozen)
             self._after_wait()
+            self.synced_steps += 1
         finally:
             self._ready.reset()
 

@@ -7,7 +7,9 @@ it, and hooks backward or the optimizer step.  The wrapper
 algorithm's declared ``target`` and ``phase`` and then only talks to it
 through :class:`Engine`: once per forward ``settle()`` (communication still in
 flight ends, so the wrapper may use the process group), ``before_forward()``
-and ``after_forward(outputs)``; ``enabled`` is False inside ``no_sync()``.
+and ``after_forward(outputs)``; ``enabled`` is False inside ``no_sync()``;
+``synced_steps`` counts the steps whose communication every rank ran (what
+``hierarchical=None``'s trial advances on, :mod:`..node_form`).
 
 =====================  ==================================  ========================================
 engine                 algorithms                          communicates
@@ -49,6 +51,9 @@ class EngineOptions:
 
 class Engine(Protocol):
     enabled: bool  # False inside no_sync()
+    #: steps communicated, the same count on every rank: a backward that launched the buckets, an exchange landed,
+    #: an optimizer step that synced the weights (a forward alone, or one rank's extra forward, adds none)
+    synced_steps: int
 
     @property
     def buckets(self) -> list[Bucket]:

@@ -66,6 +66,7 @@ class MomentumEngine:
         self.algorithm, self.comm, self.optimizer, self.options = algorithm, comm, optimizer, options
         self._named = list(named_params)
         self._enabled = True
+        self._earlier_steps = 0  # synced_steps of the phases before this one
         self._phase: Union[GradientEngine, MomentumBuckets] = self._start_phase(optimizer.in_warmup)
 
     def _start_phase(self, warmup: bool) -> Union[GradientEngine, "MomentumBuckets"]:
@@ -89,6 +90,10 @@ class MomentumEngine:
     def buckets(self) -> list[Bucket]:
         return self._phase.buckets
 
+    @property
+    def synced_steps(self) -> int:
+        return self._earlier_steps + self._phase.synced_steps
+
     def settle(self) -> None:
         self._phase.settle()
 
@@ -100,6 +105,7 @@ class MomentumEngine:
         log.info("bagua_x QAdam: %s at step %d", "optimizer back in warmup; communicating gradients again" if warmup
                  else "warmup over; communicating 8-bit momentum", self.optimizer.step_id)
         self._phase.close()
+        self._earlier_steps += self._phase.synced_steps
         self._phase = self._start_phase(warmup)
 
     def after_forward(self, outputs) -> None:

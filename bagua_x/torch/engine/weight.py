@@ -120,6 +120,7 @@ class WeightEngine(BucketedEngine):
         with torch.no_grad():
             for b, flat in zip(self.buckets, flats):
                 self._weights(b).copy_(flat)
+        self.synced_steps += 1
 
     # -- after step -----------------------------------------------------------------------
     def after_step(self) -> None:
@@ -128,6 +129,7 @@ class WeightEngine(BucketedEngine):
         for slot in self.slots:
             self._submit(slot, self._weights(slot.bucket))  # _weights on this thread: it may re-point replaced ones
         self._worker.wait()  # the next forward's kernels wait for the exchange
+        self.synced_steps += 1
 
     def restart_state(self) -> None:
         """Every bucket's weights become the ranks' average and its state starts afresh from them, as at set-up
