@@ -49,9 +49,11 @@ def test_engines_hand_buckets_over_through_stream_events(kind):
         assert wait_streams == steps
         if kind != "qadam":  # QAdam's warmup step has gradient buckets, the others momentum buckets
             assert jobs == steps * out["buckets"]
-        # Decentralized's snapshot is made on the compute stream and exchanged on the side stream
+        # Decentralized's snapshot is made on the compute stream and exchanged on the side stream; the weight
+        # algorithms' state (a step counter per bucket, made once) too; the gradient ones here keep no tensors
         kept = [op for op, stream in out["trace"] if op == "keep_for" and stream == SIDES[kind][0]]
-        assert len(kept) == (jobs if kind == "decentralized" else 0)
+        snapshots = jobs if kind == "decentralized" else 0
+        assert len(kept) == snapshots + (out["buckets"] if kind in ("decentralized", "model_average") else 0)
 
 
 def test_comm_hook_runs_on_its_stream_after_ddps():
@@ -97,3 +99,12 @@ def test_comm_hook_collective_past_its_deadline_on_the_device_is_reported():
         assert out["type"] is not None, out
         assert "DDP bucket 0 did not complete within 3 s" in message, message
         assert "still running on the device" in message, message
+
+
+def test_algorithm_state_made_on_the_training_stream_is_kept_for_the_communication_stream():
+    """State made or loaded on the training thread is read by reduce on the communication stream, and dropped
+    there for the state reduce returns: every one of its tensors is marked for that stream (record_stream), so
+    the caching allocator cannot hand its memory to backward while the communication stream still reads it."""
+    for out in run_workers("bx_stream_workers:state_streams", nproc=2, timeout=120, env=ENV):
+        for what, (tensors, all_kept) in out.items():
+            assert tensors >= 2 and all_kept, (what, out)

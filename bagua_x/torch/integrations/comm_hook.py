@@ -62,6 +62,7 @@ from ...core.errors import BaguaXError
 from .. import streams
 from ..communicator import TorchCommunicator
 from ..engine.base import reduce_in_place
+from ..engine.registration import keep_state_for
 from ..runtime import CommWorker
 from ..store import resolve_timeout
 
@@ -177,8 +178,8 @@ class CommHookState:
         pieces = []
         for key, new in zip(keys, fresh):
             piece = self._loose.pop(key, new)
-            if isinstance(piece, dict):  # loaded
-                piece = state_from_dict(new, piece, f"parameter {key}")
+            if isinstance(piece, dict):  # loaded: copied on the training thread's stream, read on this one
+                piece = keep_state_for(state_from_dict(new, piece, f"parameter {key}"), self._worker.stream)
             piece = type(new)(*(_to(v, flat.device) for v in piece))
             if _shapes(piece) != _shapes(new):
                 raise BaguaXError(
