@@ -179,6 +179,17 @@ class CommWorker:
         if error is not None:
             raise error
 
+    def run_ahead(self) -> None:
+        """For a caller that never calls :meth:`wait` (the DDP comm hook, whose futures order the caller's
+        stream), at the start of each step: the host stays at most one step ahead of the side stream, as after
+        :meth:`wait` (polling, no host sync), and raises the report once the thread finds a job past its
+        deadline."""
+        self.check()
+        previous, self._previous_wait = self._previous_wait, streams.mark(self.stream)
+        while not streams.done(previous):  # bounded: the thread breaks the worker at the job's deadline
+            self.check()
+            time.sleep(RUN_AHEAD_POLL)
+
     def close(self, join: bool = False) -> None:
         """Stop the thread once the jobs queued so far have run (``join``: and wait for that)."""
         self._jobs.put(None)

@@ -232,3 +232,62 @@ def state_streams():
         state.close()
     out["hook load"] = (len(loaded), _all_kept(loaded, kept, "bagua_x-comm-hook"))
     return out
+
+
+def hook_run_ahead(timeout=3.0, steps=3):
+    """A DDP comm hook behind collectives that never finish on the device (events patched as in ``run_ahead``)
+    after one good step: the host may run one step ahead, then a backward must raise the report at the
+    deadline instead of returning."""
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x import algorithms
+    from bagua_x.torch import streams
+
+    rank = _init()
+    state = bxt.CommHookState(algorithms.GradientAllReduce(), timeout=timeout)
+    ddp = torch.nn.parallel.DistributedDataParallel(_model())
+    ddp.register_comm_hook(state, bxt.comm_hook)
+    ddp(torch.randn(8, 16)).square().sum().backward()
+    streams.record = streams.mark = lambda stream: NeverDone()
+    start = time.monotonic()
+    done = []
+    try:
+        for _ in range(steps):
+            ddp(torch.randn(8, 16)).square().sum().backward()
+            done.append(time.monotonic() - start)
+    except Exception as e:  # noqa: BLE001 -- the test checks type and message
+        elapsed = time.monotonic() - start
+        if rank == 0:  # rank 0 hosts the store: stay until rank 1 has its report too
+            time.sleep(4)
+        return {"type": type(e).__name__, "message": str(e), "seconds": elapsed, "steps": done}
+    return {"type": None, "seconds": time.monotonic() - start, "steps": done}
+
+
+def hook_dead_peer(timeout=2.0):
+    """Rank 1 stops taking part after two steps (alive, in no collective); rank 0 trains on with the DDP comm
+    hook on several buckets: its next backward fails after one timeout (not one per bucket), and the one
+    after raises the BaguaXError at once."""
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x import algorithms
+
+    rank = _init()
+    state = bxt.CommHookState(algorithms.GradientAllReduce(), timeout=timeout)
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.002)
+    ddp.register_comm_hook(state, bxt.comm_hook)
+    for _ in range(2):  # DDP rebuilds its buckets at the second forward, with a collective of its own
+        ddp(torch.randn(8, 16)).square().sum().backward()
+    if rank == 1:
+        time.sleep(6 * timeout + 6)
+        return {"rank": 1}
+    out = {"buckets": len(state.buckets), "steps": []}
+    for _ in range(2):
+        start = time.monotonic()
+        try:
+            ddp(torch.randn(8, 16)).square().sum().backward()
+            out["steps"].append({"type": None, "seconds": time.monotonic() - start})
+        except Exception as e:  # noqa: BLE001 -- the test checks type and message
+            out["steps"].append({"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start})
+    return out

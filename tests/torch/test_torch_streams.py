@@ -108,3 +108,29 @@ def test_algorithm_state_made_on_the_training_stream_is_kept_for_the_communicati
     for out in run_workers("bx_stream_workers:state_streams", nproc=2, timeout=120, env=ENV):
         for what, (tensors, all_kept) in out.items():
             assert tensors >= 2 and all_kept, (what, out)
+
+
+def test_comm_hook_host_runs_at_most_one_step_ahead_of_unfinished_communication():
+    """DDP never waits for the hook's thread: without a bound, a loop behind a collective stuck on the device
+    queues work until a kernel launch blocks in C.  One step behind it returns at once; the next backward
+    raises the BaguaXError at the deadline (from the hook, not through a future)."""
+    timeout = 3.0
+    for out in run_workers("bx_stream_workers:hook_run_ahead", nproc=2, timeout=120, env=ENV, args=(timeout,)):
+        assert out["type"] == "BaguaXError", out
+        assert len(out["steps"]) == 1 and out["steps"][0] < 1.0, out
+        assert timeout - 0.5 < out["seconds"] < timeout + 3, out
+        assert "DDP bucket" in out["message"] and "still running on the device" in out["message"], out
+
+
+def test_comm_hook_dead_peer_is_reported_not_waited_for_bucket_by_bucket():
+    """A peer that stops taking part: the backward behind it fails after one timeout with the report (the
+    step's later buckets skipped, not each timing out in turn), and the next raises the BaguaXError at once."""
+    timeout = 2.0
+    out = run_workers("bx_stream_workers:hook_dead_peer", nproc=2, timeout=120, env=ENV, args=(timeout,))[0]
+    assert out["buckets"] >= 2, out  # one timeout each would take at least 2 * timeout
+    failed, after = out["steps"]
+    assert failed["type"] is not None and "bagua_x comm hook: GradientAllReduce on DDP bucket 0 failed" in \
+        failed["message"], out
+    assert failed["seconds"] < 1.5 * timeout, out
+    assert after["type"] == "BaguaXError" and after["seconds"] < 1.0, out
+    assert "DDP bucket 0 failed" in after["message"], out
