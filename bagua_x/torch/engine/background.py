@@ -10,6 +10,9 @@ meanwhile.  The averaging is :class:`~bagua_x.algorithms.AsyncModelAverage`'s;
 this schedule (thread, lock, stop flag) is the torch frontend's.  The training
 thread holds the same lock from forward to the end of ``optimizer.step()``, so
 a gradient is always computed and applied on one consistent set of weights.
+Readers outside a step take it too (:meth:`AsyncAverageEngine.weights_locked`,
+``DistributedModel.state_dict()`` and ``weights_locked()``), so they never see
+half a round.
 
 Each round starts with a tiny allreduce of a stop flag, so ``abort()`` on any
 rank stops the threads of all ranks after the same round (no rank is left
@@ -217,6 +220,21 @@ class AsyncAverageEngine:
         self._stop.clear()
         if self.steps >= self.algorithm.warmup_steps:
             self._start()
+
+    @contextlib.contextmanager
+    def weights_locked(self):
+        """The weights as the last averaging round left them: the thread waits for the lock meanwhile (on CUDA
+        the caller's stream waits for its last write, and its next round for the caller's reads).  Gives True
+        while the thread runs: outside the block it writes them again, so keep copies, not the tensors."""
+        if self._holding:  # between forward and optimizer.step(): the training thread holds the lock already
+            yield self._thread is not None
+            return
+        with self._lock:
+            streams.wait(streams.current(self._device), self._released["thread"])
+            try:
+                yield self._thread is not None
+            finally:
+                self._released["training"] = streams.record(streams.current(self._device))
 
     def state_dict(self) -> dict:
         return {}

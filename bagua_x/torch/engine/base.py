@@ -28,6 +28,7 @@ training thread, then ``_reduce`` -> :func:`reduce_in_place` ->
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Optional, Sequence
@@ -110,6 +111,10 @@ class BucketedEngine:
         """On the communication thread: ``flat <- reduce(flat)``, the slot's state kept."""
         slot.state = reduce_in_place(self.algorithm, flat, slot.bucket.layout, slot.state, self.comm,
                                      (slot.bucket, self.what) if self.check_finite else None)
+
+    def weights_locked(self):
+        """Only the training thread writes the weights (the communication thread is waited for in the step)."""
+        return contextlib.nullcontext(False)
 
     def state_dict(self) -> dict:
         return state_dict_of(self.slots)
