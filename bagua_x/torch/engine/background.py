@@ -52,6 +52,7 @@ from ...core.comm import ReduceOp
 from ...core.errors import BaguaXError
 from .. import streams
 from ..communicator import TorchCommunicator
+from ..runtime import join_at_exit
 from .gradient import GradientEngine
 from .interface import EngineOptions
 from .registration import build_buckets, register_parameters
@@ -148,6 +149,7 @@ class AsyncAverageEngine:
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="bagua_x-async-average", daemon=True)
         self._thread.start()
+        join_at_exit(self._thread, self._signal_stop)
 
     def _loop(self) -> None:
         interval = self.algorithm.sync_interval_ms / 1000
@@ -198,13 +200,17 @@ class AsyncAverageEngine:
                 self._waiting.notify_all()
 
     # -- control ----------------------------------------------------------------------------
-    def abort(self) -> None:
-        """Stop averaging on all ranks (collective: call it on every rank)."""
+    def _signal_stop(self) -> None:
+        """Ask the thread to stop after its round (the stop flag reaches every rank's thread in the next)."""
         self._stop.set()
         if self._holding:  # the thread may be waiting for the weights: let it see the stop flag
             self._holding = False
             self._released["training"] = streams.record(streams.current(self._device))
             self._lock.release()
+
+    def abort(self) -> None:
+        """Stop averaging on all ranks (collective: call it on every rank)."""
+        self._signal_stop()
         if self._thread is not None:
             self._thread.join(self.comm.timeout)
             if self._thread.is_alive():

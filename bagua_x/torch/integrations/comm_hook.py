@@ -228,7 +228,7 @@ class CommHookState:
     def close(self) -> None:
         """Stop the communication thread (after the last backward)."""
         if self._worker is not None:
-            self._worker.close(join=True)
+            self._worker.close()
 
 
 # annotations evaluated (no ``from __future__ import annotations``): DDP's register_comm_hook checks them
