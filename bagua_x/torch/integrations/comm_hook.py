@@ -136,7 +136,8 @@ class CommHookState:
         if self._worker is None:
             self._worker = CommWorker("bagua_x-comm-hook", buffer.device, self.comm.timeout)
         if self._failed is not None:  # the process group is broken: say so here, not in another collective
-            raise self._failed
+            raise BaguaXError(f"{self._failed}; so this hook cannot communicate any more: exit and restart from "
+                              "a checkpoint (torchrun --max-restarts restarts all ranks)") from self._failed
         if index == 0:  # a step's first bucket (DDP calls the hook in bucket order)
             self._worker.run_ahead()
         fut = streams.future(buffer.device)
