@@ -1,4 +1,4 @@
-"""The GPU check: 13 checks of bagua_x on one CUDA GPU (written for one H200), one JSON file of results.
+"""The GPU check: 14 checks of bagua_x on one CUDA GPU (written for one H200), one JSON file of results.
 
     python benchmarks/gpu_check.py                    # on the GPU machine (benchmarks/gpu_check.sh calls this)
     python benchmarks/gpu_check.py --cpu              # the dry run: what needs no CUDA, with CPU stand-ins
@@ -68,7 +68,8 @@ CHECKS = [
           "finite loss for each; ByteGrad within one quantisation step of the numpy reference",
           f"{T}:every_algorithm", 150, "gloo on CPU with a small MLP (kernels stay eager)"),
     Check(3, "no host sync (set_sync_debug_mode('error') after warm-up)",
-          "GradientAllReduce, ByteGrad and QAdam train 2 steps without a synchronising call",
+          "GradientAllReduce, ByteGrad, QAdam, PowerSGD (its first compressed step included) and PowerSGD as a "
+          "DDP comm hook train 3 steps without a synchronising call",
           f"{T}:no_host_sync", 90, "the same training on CPU, without the sync debug mode (not judged)"),
     Check(4, "backward on a side stream", "with torch.cuda._sleep in an early hook: the result equals the reference",
           f"{T}:side_stream", 60, "the same code on CPU with time.sleep (no streams)"),
@@ -91,6 +92,10 @@ CHECKS = [
     Check(12, "2 gloo ranks with CUDA tensors on the one GPU",
           "GradientAllReduce, Decentralized and ModelAverage equal the numpy result",
           f"{T}:gloo_on_one_gpu", 60, "CPU tensors", nproc=2),
+    Check(13, "algorithm state across streams under memory churn",
+          "state loaded on the compute stream, read after 50 ms on the communication stream while the compute "
+          "stream reuses memory: gradients equal the CPU reference plus the state",
+          f"{T}:state_lifetime", 60, "the same on CPU (no streams, no allocator: not judged)"),
 ]
 
 

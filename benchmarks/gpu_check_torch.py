@@ -14,6 +14,7 @@ import math
 import os
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -265,34 +266,54 @@ def every_algorithm(device):
 
 
 # -- 3 ---------------------------------------------------------------------------------------------------------
+def _sync_free(step, data) -> str | None:
+    """Train ``data[:4]`` (warm-up: compiling, the first-step bucket rebuild, QAdam's switch), then the rest under
+    ``set_sync_debug_mode("error")``: the synchronising call's error, or None."""
+    for x, y in data[:4]:
+        step(x, y)
+    cuda = data[0][0].is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+    try:
+        if cuda:
+            torch.cuda.set_sync_debug_mode("error")  # for every thread: the communication threads' calls too
+        for x, y in data[4:]:
+            step(x, y)
+    except Exception as e:  # noqa: BLE001 - the synchronising call, whatever raised it
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+    return None
+
+
 def no_host_sync(device):
+    """PowerSGD compresses from step 5: the checked steps 4-6 hold its switch, its first compressed step (Q
+    and error feedback made) and a steady one; through wrap and through the DDP comm hook."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     dev = setup(device)
-    data = batches(dev, 6)
+    data = batches(dev, 7)
     values, problems = {}, []
-    for name in ("GradientAllReduce", "ByteGrad", "QAdam"):
+    powersgd = lambda: A.PowerSGD(matrix_approximation_rank=2, start_powerSGD_iter=5)  # noqa: E731
+    for name in ("GradientAllReduce", "ByteGrad", "QAdam", "PowerSGD", "PowerSGD as a DDP comm hook"):
         model = mlp(dev)
         opt = optimizer(name, model)
-        wrapped = bxt.wrap(model, opt, algorithm=ALGORITHMS[name], timeout=10)
-        for x, y in data[:4]:  # warm-up: compiling, the first-step bucket rebuild, QAdam's switch
-            train_step(wrapped, opt, x, y)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        error = None
-        try:
-            if device == "cuda":
-                torch.cuda.set_sync_debug_mode("error")
-            for x, y in data[4:]:
-                train_step(wrapped, opt, x, y)
-        except Exception as e:  # noqa: BLE001 - the synchronising call, whatever raised it
-            error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        finally:
-            if device == "cuda":
-                torch.cuda.set_sync_debug_mode(0)
-                torch.cuda.synchronize()
+        if name.endswith("comm hook"):
+            wrapped = DDP(model, device_ids=[0] if device == "cuda" else None)
+            state = bxt.CommHookState(powersgd(), timeout=10)
+            wrapped.register_comm_hook(state, bxt.comm_hook)
+            close = state.close
+        else:
+            algorithm = powersgd() if name == "PowerSGD" else ALGORITHMS[name]
+            wrapped = bxt.wrap(model, opt, algorithm=algorithm, timeout=10)
+            close = wrapped.shutdown
+        error = _sync_free(lambda x, y: train_step(wrapped, opt, x, y), data)
         values[name] = {"error": error}
         if error:
             problems.append(f"{name}: {error}")
-        wrapped.shutdown()
+        close()
     return result(values, problems, judged=device == "cuda")
 
 
@@ -535,3 +556,69 @@ def gloo_on_one_gpu(device):
             problems.append(f"{name}: rank {rank} differs from the numpy result by {values[name]:.3g}")
     values["tensors_on"] = str(dev)
     return result(values, problems)
+
+
+# -- 13 --------------------------------------------------------------------------------------------------------
+class _Offset(NamedTuple):
+    add: torch.Tensor
+
+
+class StateOnTheSideStream(A.GradientAllReduce):
+    """A state per bucket (``add``, laid out as the bucket): ``reduce`` sleeps 50 ms on the communication stream,
+    then returns the average plus ``add``, and a new state (the old one dropped on the communication thread).
+    A state made on the compute stream (``init``, a load) whose memory the allocator hands to the compute stream
+    before the sleep ends gives wrong gradients."""
+
+    def init(self, flat, layout, world_size):
+        return _Offset(torch.ones_like(flat))
+
+    def reduce(self, flat, layout, state, comm):
+        pause(flat.device, 0.05)
+        out, _ = super().reduce(flat, layout, A.EmptyState(), comm)
+        return out + state.add, _Offset(state.add + 1)
+
+
+def _with_add(saved, value: float):
+    """``saved`` (an algorithm_state_dict) with every ``add`` set to ``value``."""
+    if isinstance(saved, dict):
+        return {k: (torch.full_like(v, value) if k == "add" else _with_add(v, value)) for k, v in saved.items()}
+    return saved
+
+
+def state_lifetime(device):
+    """Algorithm state made on the compute stream (a load before each step), read on the communication stream
+    after a 50 ms sleep there, dropped on the communication thread, while late in backward the compute stream
+    allocates and fills with NaN blocks of every bucket's size: the gradients must equal a CPU reference plus the
+    loaded offset."""
+    import copy
+
+    dev = setup(device)
+    widths = [256, 512, 512, 512, 64]
+    model = mlp(dev, widths)
+    reference = copy.deepcopy(model).cpu()
+    wrapped = bxt.wrap(model, algorithm=StateOnTheSideStream(), bucket_cap_mb=0.5)
+    data = batches(dev, 6, widths)
+
+    def churn(grad):
+        time.sleep(0.02)  # the communication thread has run the earlier buckets and dropped their states
+        blocks = [torch.full_like(b.buffer, float("nan")) for b in wrapped.buckets for _ in range(4)]
+        del blocks
+        return grad
+
+    F.mse_loss(wrapped(data[0][0]), data[0][1]).backward()  # the first step: buckets rebuilt in gradient order
+    model[0].weight.register_hook(churn)  # the first layer: its gradient comes last in backward
+    errors = []
+    for step, (x, y) in enumerate(data[1:]):
+        wrapped.load_algorithm_state_dict(_with_add(wrapped.algorithm_state_dict(), float(step + 2)))
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(wrapped(x), y).backward()
+        got = [p.grad.cpu() for p in model.parameters()]
+        reference.zero_grad(set_to_none=True)
+        F.mse_loss(reference(x.cpu()), y.cpu()).backward()
+        errors.append(max_diff(got, [p.grad + (step + 2) for p in reference.parameters()]))
+    wrapped.shutdown()
+    worst = max(errors)
+    problems = [] if worst <= 1e-3 else [f"gradients differ from the CPU reference by {worst:.3g} (memory reused "
+                                         "while the communication stream read the state)"]
+    return result({"buckets": len(wrapped.buckets), "max_diff_per_step": errors}, problems,
+                  judged=device == "cuda")

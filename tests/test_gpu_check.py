@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-GPU_ONLY = {0, 3, 5, 6, 8, 11}  # nothing of these is judged without CUDA
+GPU_ONLY = {0, 3, 5, 6, 8, 11, 13}  # nothing of these is judged without CUDA
 
 
 def _driver(monkeypatch):
@@ -32,7 +32,7 @@ def test_cpu_dry_run_runs_every_check_and_fails_none(tmp_path):
     assert report["mode"] == "cpu dry run"
     assert report["machine"]["torch"] and report["machine"]["cuda"] is False
     checks = {c["number"]: c for c in report["checks"]}
-    assert sorted(checks) == list(range(13))
+    assert sorted(checks) == list(range(14))
     for c in checks.values():
         assert c["name"] and c["criterion"] and isinstance(c["values"], dict) and "seconds" in c
     failed = {n: c.get("problems") or c.get("traceback") for n, c in checks.items() if c["status"] == "fail"}
@@ -70,3 +70,18 @@ def test_a_spent_budget_fails_the_checks_left(tmp_path, monkeypatch):
     assert driver.main(["--cpu", "--budget", "1", str(out)]) == 1
     (entry,) = json.loads(out.read_text())["checks"]
     assert entry["status"] == "fail" and "budget" in entry["problems"][0]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_on_the_gpu_no_host_sync_and_state_across_streams(tmp_path):
+    """On CUDA: check 3 (no host sync: PowerSGD and the DDP comm hook included) and check 13 (algorithm state
+    made on the compute stream, read on the communication stream, memory churned meanwhile) pass."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--only", "3,13", str(out)],
+                          capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert {c["number"]: c["status"] for c in json.loads(out.read_text())["checks"]} == {3: "pass", 13: "pass"}

@@ -58,6 +58,13 @@ class AsyncModelAverage(Algorithm):
     meanwhile.  JAX's weights are immutable, so ``bagua_x.jax.wrap`` refuses this
     algorithm (use :class:`ModelAverage`).
 
+    Reading the weights while the thread runs (torch): ``wrapped.state_dict()``
+    is a consistent copy (taken under the weight lock); anything else that
+    reads them outside a training step -- evaluation under ``no_grad``, an EMA
+    update, saving ``wrapped.module`` -- goes inside ``with
+    wrapped.weights_locked():``, or between ``wrapped.abort()`` and
+    ``wrapped.resume()`` (Bagua's way, collective).
+
     Args:
         sync_interval_ms: milliseconds between the starts of two averaging rounds.
         warmup_steps: optimizer steps of synchronous gradient allreduce before averaging starts.

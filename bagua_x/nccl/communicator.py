@@ -27,12 +27,16 @@ Streams (:mod:`bagua_x.nccl.streams`).  Collectives are enqueued on ``stream``
 buffer, the communicator asks its producer to make that stream wait for it
 through the DLPack stream handshake (``x.__dlpack__(stream=...)``: torch records
 an event on its current stream, JAX waits until the array is ready), so inputs
-made on the producer's stream are safe.  The caller must still order what comes
-*after*: a torch result is written on ``stream``, so pass
-``torch.cuda.current_stream().cuda_stream`` (or keep torch on its default
-stream) or wait on ``stream`` before using it.  JAX results are complete when
-returned (the communicator synchronizes ``stream`` before handing memory to
-JAX, which runs on streams of its own).
+made on the producer's stream are safe.  What comes *after* is ordered the
+other way round: a torch result is handed back through ``xp.from_dlpack``, whose
+``__dlpack__(stream=...)`` makes the consumer's current stream wait for an event
+recorded on ``stream`` after the collective (:class:`_AfterEvent`), so the
+caller's kernels -- and the division of an average NCCL cannot do itself --
+read finished data, with no host sync.  Inputs and outputs are kept alive until
+``stream`` is past the collective (the caller may drop them at once; their
+framework's allocator knows nothing of ``stream``).  JAX results are complete
+when returned (the communicator waits for the collective's event before handing
+memory to JAX, which runs on streams of its own).
 
 Rendezvous (:mod:`bagua_x.nccl.rendezvous`): rank 0 creates the NCCL unique id
 and publishes it in the job's existing key-value store; the others wait for it.
@@ -43,6 +47,7 @@ NCCL's; data movement moves bytes, so every dtype works.
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any, Callable, Optional, Sequence
 
@@ -52,7 +57,7 @@ from bagua_x.core.errors import BaguaXError
 
 from .datatypes import BYTES_DTYPE, NCCL_AVG_MIN_VERSION, reduce_plan
 from .rendezvous import exchange_unique_id, next_unique_id_key
-from .streams import dlpack_stream, stream_handle
+from .streams import consumer_stream, dlpack_stream, stream_handle
 
 __all__ = ["NcclCommunicator", "UNIQUE_ID_BYTES", "INSTALL_HINT"]
 
@@ -85,10 +90,35 @@ def _detached(x):
 
 
 class _Output:
-    """A result buffer: ``ptr`` for NCCL to write, ``finish()`` -> the array handed back."""
+    """A result buffer: ``ptr`` for NCCL to write, ``finish(done)`` -> the array handed back, ``done`` an event
+    recorded on NCCL's stream after the collective."""
 
-    def __init__(self, ptr: int, finish: Callable[[], Any]):
+    def __init__(self, ptr: int, finish: Callable[[Any], Any]):
         self.ptr, self.finish = ptr, finish
+
+
+class _AfterEvent:
+    """``array``, exported through DLPack only once its consumer's stream waits for ``done`` (NCCL's event).
+
+    The DLPack stream handshake the other way round: ``xp.from_dlpack`` passes
+    the consumer's current stream to ``__dlpack__``, which makes that stream
+    wait for NCCL's write, so whatever the framework queues on it next (the
+    division of an average, the caller's kernels) reads the finished result,
+    with no host sync.  ``stream_at(handle)`` makes a stream object from a
+    ``cudaStream_t`` (``cuda.core.Stream.from_handle``).
+    """
+
+    def __init__(self, array, done, stream_at: Callable[[int], Any]):
+        self._array, self._done, self._stream_at = array, done, stream_at
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        handle = consumer_stream(stream)
+        if handle is not None:
+            self._stream_at(handle).wait(self._done)
+        return self._array.__dlpack__(stream=stream, **kwargs)
 
 
 class NcclCommunicator:
@@ -128,6 +158,9 @@ class NcclCommunicator:
         self._stream = stream_handle(stream)
         self._cstream = (cuda_core.Stream.from_handle(self._stream) if self._stream
                          else self._device.default_stream)
+        self._stream_at = cuda_core.Stream.from_handle
+        #: (event on ``stream`` after a collective, its input, its output): kept alive until the event is done
+        self._in_flight: collections.deque = collections.deque()
 
         def create() -> bytes:
             return bytes(self._nc.get_unique_id())
@@ -208,6 +241,8 @@ class NcclCommunicator:
         """Destroy the NCCL communicator (all ranks should call it)."""
         comm, self._comm = getattr(self, "_comm", None), None
         if comm is not None:
+            self._cstream.sync()  # what is still in flight reads and writes the buffers kept for it
+            self._in_flight.clear()
             comm.destroy()
 
     def __enter__(self):
@@ -224,7 +259,7 @@ class NcclCommunicator:
         if count:
             self._launch("allreduce", self._b.all_reduce, info.data_ptr, out.ptr, count, dtype, nccl_op,
                          self._comm_arg, self._stream)
-        return self._post(out.finish(), post)
+        return self._result(x, out, post)
 
     def allgather(self, x):
         x, info = self._input(x, "allgather")
@@ -232,7 +267,7 @@ class NcclCommunicator:
         if info.nbytes:
             self._launch("allgather", self._b.all_gather, info.data_ptr, out.ptr, info.nbytes, self._bytes,
                          self._comm_arg, self._stream)
-        return out.finish()
+        return self._result(x, out)
 
     def alltoall(self, x):
         x, info = self._input(x, "alltoall")
@@ -245,7 +280,7 @@ class NcclCommunicator:
                     self._b.send(info.data_ptr + peer * row, row, self._bytes, peer, self._comm_arg, self._stream)
                     self._b.recv(out.ptr + peer * row, row, self._bytes, peer, self._comm_arg, self._stream)
             self._launch("alltoall", self._grouped, sends)
-        return out.finish()
+        return self._result(x, out)
 
     def reduce_scatter(self, x, op: ReduceOp = ReduceOp.SUM):
         x, info = self._input(x, "reduce_scatter")
@@ -255,7 +290,7 @@ class NcclCommunicator:
         if count:
             self._launch("reduce_scatter", self._b.reduce_scatter, info.data_ptr, out.ptr, count // self._size,
                          dtype, nccl_op, self._comm_arg, self._stream)
-        return self._post(out.finish(), post)
+        return self._result(x, out, post)
 
     def broadcast(self, x, root: int = 0):
         root = int(root)
@@ -266,7 +301,7 @@ class NcclCommunicator:
         if info.nbytes:
             self._launch("broadcast", self._b.broadcast, info.data_ptr, out.ptr, info.nbytes, self._bytes, root,
                          self._comm_arg, self._stream)
-        return out.finish()
+        return self._result(x, out)
 
     def permute(self, x, pairs: Sequence[tuple[int, int]]):
         pairs = [(int(s), int(d)) for s, d in pairs]
@@ -287,7 +322,7 @@ class NcclCommunicator:
                     if d == self._rank:
                         self._b.recv(out.ptr, info.nbytes, self._bytes, s, self._comm_arg, self._stream)
             self._launch("permute", self._grouped, sends)
-        return out.finish()
+        return self._result(x, out)
 
     def switch(self, index, branches: Sequence[Callable[[Any], Any]], operand):
         return branches[int(index)](operand)
@@ -335,7 +370,7 @@ class NcclCommunicator:
         arr = make(shape, dtype=x.dtype, device=array_api_compat.device(x))
         out_info = buffer_info(arr)
         self._wait_for_producer(arr)  # xp.zeros may still be running on the framework's stream
-        return _Output(out_info.data_ptr, lambda: arr)
+        return _Output(out_info.data_ptr, lambda done: xp.from_dlpack(_AfterEvent(arr, done, self._stream_at)))
 
     def _owned_output(self, xp, dtype: str, shape: tuple, zero: bool) -> _Output:
         """Device memory from cuda.core, given to JAX through DLPack once NCCL has filled it."""
@@ -345,8 +380,8 @@ class NcclCommunicator:
             buf.fill(0, stream=self._cstream)
         ptr = int(buf.handle)
 
-        def finish():
-            self._cstream.sync()  # JAX runs on streams of its own: hand over finished data only
+        def finish(done):
+            done.sync()  # JAX runs on streams of its own: hand over finished data only
             return xp.from_dlpack(DLPackExport(ptr, shape, dtype, self._dl_device, buf))
 
         return _Output(ptr, finish)
@@ -355,6 +390,18 @@ class NcclCommunicator:
         """``(nccl dtype, count, nccl op, post)`` with ``post`` in (None, 'div', 'floordiv')."""
         plan = reduce_plan(info.dtype, info.numel, op, self._has_avg, what)
         return (int(self._nc.NcclDataType[plan.dtype]), plan.count, int(self._nc.NcclRedOp[plan.op]), plan.post)
+
+    def _result(self, x, out: _Output, post=None):
+        """The collective's result, queued on ``stream``: ``x`` and the output kept alive until ``stream`` is
+        past the collective (the caller may drop them at once, and the allocator of their framework would
+        hand their memory to its own stream while NCCL still reads or writes it), and handed back so that
+        the consumer's stream waits for NCCL's (:class:`_AfterEvent`) before anything reads it: ``post``'s
+        division too, which the framework queues on its current stream."""
+        while self._in_flight and self._in_flight[0][0].is_done:
+            self._in_flight.popleft()
+        done = self._cstream.record()
+        self._in_flight.append((done, x, out))
+        return self._post(out.finish(done), post)
 
     def _post(self, out, post):
         if post == "div":

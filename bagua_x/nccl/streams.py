@@ -7,9 +7,11 @@ A stream is given as a ``cudaStream_t`` (an int), an object with
 
 from __future__ import annotations
 
+from typing import Optional
+
 from bagua_x.core.errors import BaguaXError
 
-__all__ = ["stream_handle", "dlpack_stream"]
+__all__ = ["stream_handle", "dlpack_stream", "consumer_stream"]
 
 
 def stream_handle(stream) -> int:
@@ -38,3 +40,14 @@ def stream_handle(stream) -> int:
 def dlpack_stream(handle: int) -> int:
     """The value of ``__dlpack__(stream=...)`` naming ``handle``: DLPack spells the legacy default stream 1, not 0."""
     return 1 if handle == 0 else handle
+
+
+def consumer_stream(value) -> Optional[int]:
+    """The ``cudaStream_t`` a consumer named in ``__dlpack__(stream=value)``, or None for "no synchronization"
+    (-1).  DLPack's CUDA values: None or 1 the legacy default stream (0), 2 the per-thread default stream
+    (``cudaStreamPerThread``, also 2), any other the stream handle itself."""
+    if value == -1:
+        return None
+    if value is None or value == 1:
+        return 0
+    return int(value)

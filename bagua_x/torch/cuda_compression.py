@@ -18,6 +18,7 @@ for contiguous CUDA tensors only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -124,6 +125,12 @@ def _programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _on(device: torch.device):
+    """Context in which a launch goes to ``device``: Triton launches on the calling thread's current CUDA
+    device, which need not be the tensor's (a thread that never set it is on GPU 0)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def compress_rows(x: torch.Tensor) -> torch.Tensor:
     """:func:`bagua_x.algorithms.compression.compress_rows` for a contiguous 2-D CUDA tensor."""
     rows, k = x.shape
@@ -131,9 +138,12 @@ def compress_rows(x: torch.Tensor) -> torch.Tensor:
     parts = min(blocks, triton.cdiv(_programs(x.device), rows))
     partial = torch.empty(rows, parts, 2, dtype=torch.float32, device=x.device)
     packed = torch.empty(rows, k + HEADER_BYTES, dtype=torch.uint8, device=x.device)
-    _minmax_parts[(parts, rows)](x, partial, k, parts, triton.cdiv(blocks, parts), BLOCK=BLOCK, num_warps=WARPS)
-    _quantize_packed[(blocks, rows)](x, partial, packed, k, parts, BLOCK=BLOCK,
-                                     PARTS=triton.next_power_of_2(parts), num_warps=WARPS, enable_fp_fusion=False)
+    with _on(x.device):
+        _minmax_parts[(parts, rows)](x, partial, k, parts, triton.cdiv(blocks, parts), BLOCK=BLOCK,
+                                     num_warps=WARPS)
+        _quantize_packed[(blocks, rows)](x, partial, packed, k, parts, BLOCK=BLOCK,
+                                         PARTS=triton.next_power_of_2(parts), num_warps=WARPS,
+                                         enable_fp_fusion=False)
     return packed
 
 
@@ -142,6 +152,7 @@ def decompress_rows(packed: torch.Tensor, out=None) -> torch.Tensor:
     rows, k = packed.shape[0], packed.shape[1] - HEADER_BYTES
     if out is None:
         out = torch.empty(rows, k, dtype=torch.float32, device=packed.device)
-    _dequantize_packed[(triton.cdiv(k, BLOCK), rows)](packed, out, k, BLOCK=BLOCK, num_warps=WARPS,
-                                                    enable_fp_fusion=False)
+    with _on(packed.device):
+        _dequantize_packed[(triton.cdiv(k, BLOCK), rows)](packed, out, k, BLOCK=BLOCK, num_warps=WARPS,
+                                                        enable_fp_fusion=False)
     return out

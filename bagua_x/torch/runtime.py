@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
 import logging
@@ -19,11 +20,36 @@ from ..core.tensor import RegisteredTensor
 from . import streams
 from .stall import StallInspector
 
-__all__ = ["CommWorker", "BackwardHooks"]
+__all__ = ["CommWorker", "BackwardHooks", "join_at_exit"]
 
 log = logging.getLogger(__name__)
 
 RUN_AHEAD_POLL = 0.0005  # seconds between polls while the host is a step ahead of the device's communication
+JOIN_S = 5.0  # seconds a close, and the exit of the interpreter, wait for communication threads (in all, at exit)
+
+_to_join: dict = {}  # live thread -> how to stop it: what the interpreter's exit stops and joins
+
+
+def join_at_exit(thread: threading.Thread, stop: Callable[[], None]) -> None:
+    """At interpreter exit, ``stop()`` ``thread`` and join it (:data:`JOIN_S` for all threads together), unless
+    it ended before: threads are daemons (a stuck collective must not keep the process alive), but a daemon
+    still inside NCCL or gloo while the interpreter finalises can abort the process."""
+    for ended in [t for t in _to_join if not t.is_alive()]:
+        del _to_join[ended]
+    _to_join[thread] = stop
+
+
+def _join_all() -> None:
+    deadline = time.monotonic() + JOIN_S
+    for thread, stop in list(_to_join.items()):
+        if thread.is_alive():
+            stop()
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning("bagua_x: thread %s still running at exit (stuck in a collective?)", thread.name)
+
+
+atexit.register(_join_all)
 
 
 class CommWorker:
@@ -85,6 +111,7 @@ class CommWorker:
         self._previous_wait = None  # an event after the communication the last wait() handed over
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        join_at_exit(self._thread, functools.partial(self._jobs.put, None))
 
     def submit(self, what: str, job: Callable[[], None], bucket: Optional[Bucket] = None,
                skipped: Optional[Callable[[BaguaXError], None]] = None) -> None:
@@ -188,11 +215,27 @@ class CommWorker:
         if error is not None:
             raise error
 
-    def close(self, join: bool = False) -> None:
-        """Stop the thread once the jobs queued so far have run (``join``: and wait for that)."""
+    def run_ahead(self) -> None:
+        """For a caller that never calls :meth:`wait` (the DDP comm hook, whose futures order the caller's
+        stream), at the start of each step: the host stays at most one step ahead of the side stream, as after
+        :meth:`wait` (polling, no host sync), and raises the report once the thread finds a job past its
+        deadline."""
+        self.check()
+        previous, self._previous_wait = self._previous_wait, streams.mark(self.stream)
+        while not streams.done(previous):  # bounded: the thread breaks the worker at the job's deadline
+            self.check()
+            time.sleep(RUN_AHEAD_POLL)
+
+    def close(self, timeout: float = JOIN_S) -> None:
+        """Stop the thread once the jobs queued so far have run, and wait for that (at most ``timeout`` s:
+        a thread stuck in a collective is left, a daemon, with a warning)."""
         self._jobs.put(None)
-        if join:
-            self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("bagua_x: %s still running %s after close (stuck in a collective?)", self._thread.name,
+                        self._current[0])
+        else:
+            _to_join.pop(self._thread, None)
 
 
 class BackwardHooks:

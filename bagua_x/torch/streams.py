@@ -108,7 +108,8 @@ def use(stream: Stream):
 
 
 def keep_for(tensor: torch.Tensor, stream: Stream) -> None:
-    """``tensor``'s memory is not reused before the work queued on ``stream`` so far is done."""
+    """``tensor``'s memory is not reused before the work queued on ``stream`` up to its release is done
+    (``record_stream``: marked once, where it is made, whichever thread drops it later)."""
     _trace("keep_for", stream)
     if stream.cuda is not None and tensor.is_cuda:
         tensor.record_stream(stream.cuda)

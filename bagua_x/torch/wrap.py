@@ -126,7 +126,23 @@ class DistributedModel(torch.nn.Module):
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
+        """The model's own state dict, taken under :meth:`weights_locked`: with AsyncModelAverage averaging,
+        a copy in which every tensor comes from the same averaging round (``keep_vars=True``: the live
+        parameters, as asked; read them inside ``weights_locked()``)."""
+        with self.weights_locked() as written_outside:
+            state = self.module.state_dict(*args, **kwargs)
+            if written_outside and not kwargs.get("keep_vars", False):
+                for name, value in state.items():
+                    state[name] = value.clone()
+            return state
+
+    def weights_locked(self):
+        """Context in which the weights are read consistently.  Only AsyncModelAverage needs it: its thread
+        writes the weights whenever it holds the weight lock, and holds it for a whole round, so read them
+        (evaluation under ``no_grad``, an EMA update, ``torch.save(model.module.state_dict())``) inside
+        ``with model.weights_locked():``; averaging waits meanwhile.  Other algorithms write the weights on the
+        training thread only: for them this does nothing."""
+        return self._engine.weights_locked()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if assign:

@@ -130,6 +130,30 @@ def test_gpu_torch_one_rank_every_op():
 
 
 @pytest.mark.gpu
+def test_gpu_torch_results_from_a_side_stream():
+    """NCCL on a stream of its own, torch's current stream kept busy: an integer average (NCCL's sum, then a
+    division torch queues on its current stream) reads what NCCL wrote, and a temporary input dropped at once
+    is not overwritten by the memory churn that follows on the current stream."""
+    _nccl_or_skip()
+    import torch
+
+    torch.cuda.set_device(0)
+    comm = N.NcclCommunicator(0, 1, device=0, stream=torch.cuda.Stream())
+    try:
+        results = []
+        for i in range(20):
+            torch.cuda._sleep(2_000_000)  # NCCL's stream waits for this (the input's producer) first
+            results.append(comm.allreduce(torch.full((1 << 20,), i, dtype=torch.int64, device="cuda:0"),
+                                          ReduceOp.AVG))
+            torch.empty(1 << 21, dtype=torch.int64, device="cuda:0").fill_(-1)  # reuses freed memory
+        torch.cuda.synchronize()
+        assert [int(r.min()) for r in results] == list(range(20))
+        assert [int(r.max()) for r in results] == list(range(20))
+    finally:
+        comm.close()
+
+
+@pytest.mark.gpu
 def test_gpu_jax_one_rank_every_op():
     _nccl_or_skip()
     jax = pytest.importorskip("jax")

@@ -157,3 +157,137 @@ def hook_deadline(timeout=3.0):
             time.sleep(4)
         return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
     return {"type": None, "seconds": time.monotonic() - start}
+
+
+def _recording_keep_for():
+    """Patch ``streams.keep_for`` to also list ``(tensor, stream name)``; returns the list."""
+    from bagua_x.torch import streams
+
+    kept, keep_for = [], streams.keep_for
+    streams.keep_for = lambda tensor, stream: (kept.append((tensor, stream.name)), keep_for(tensor, stream))[1]
+    return kept
+
+
+def _all_kept(tensors, kept, side):
+    """Whether every tensor of ``tensors`` (the very object) was marked for the stream named ``side``."""
+    return all(any(t is k and name == side for k, name in kept) for t in tensors)
+
+
+def _state_tensors(states):
+    import torch
+
+    return [v for state in states for v in state if isinstance(v, torch.Tensor)]
+
+
+def state_streams():
+    """Algorithm state made or loaded on the training thread and read on a communication stream is marked for
+    that stream: PowerSGD's (gradient engine: at set-up and after a load), LowPrecisionDecentralized's (weight
+    engine: at set-up and after a restart), and PowerSGD's through the DDP comm hook after a load."""
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x import algorithms
+
+    rank = _init()
+    kept = _recording_keep_for()
+    out = {}
+
+    def train(model, opt, steps=2):
+        torch.manual_seed(rank)
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(8, 16)).square().sum().backward()
+            opt.step()
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    wrapped = bxt.wrap(model, opt, algorithm=algorithms.PowerSGD(start_powerSGD_iter=1), bucket_cap_mb=0.002)
+    states = lambda w: _state_tensors(s.state for s in w._engine.slots)  # noqa: E731
+    out["powersgd init"] = (len(states(wrapped)), _all_kept(states(wrapped), kept, "bagua_x-grad-comm"))
+    train(wrapped, opt)
+    wrapped.load_algorithm_state_dict(wrapped.algorithm_state_dict())
+    out["powersgd load"] = (len(states(wrapped)), _all_kept(states(wrapped), kept, "bagua_x-grad-comm"))
+    wrapped.shutdown()
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    wrapped = bxt.wrap(model, opt, algorithm=algorithms.LowPrecisionDecentralized(), bucket_cap_mb=0.002)
+    out["low precision init"] = (len(states(wrapped)), _all_kept(states(wrapped), kept, "bagua_x-weight-comm"))
+    train(wrapped, opt)
+    wrapped._engine.restart_state()
+    out["low precision restart"] = (len(states(wrapped)), _all_kept(states(wrapped), kept, "bagua_x-weight-comm"))
+    wrapped.shutdown()
+
+    saved = None
+    for load in (False, True):
+        model = _model()
+        state = bxt.CommHookState(algorithms.PowerSGD(start_powerSGD_iter=1))
+        if load:
+            state.load_algorithm_state_dict(saved)
+            loaded = _state_tensors(tuple(piece.values()) for piece in state._loose.values())
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(state, bxt.comm_hook)
+        train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01))
+        saved = state.algorithm_state_dict()
+        state.close()
+    out["hook load"] = (len(loaded), _all_kept(loaded, kept, "bagua_x-comm-hook"))
+    return out
+
+
+def hook_run_ahead(timeout=3.0, steps=3):
+    """A DDP comm hook behind collectives that never finish on the device (events patched as in ``run_ahead``)
+    after one good step: the host may run one step ahead, then a backward must raise the report at the
+    deadline instead of returning."""
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x import algorithms
+    from bagua_x.torch import streams
+
+    rank = _init()
+    state = bxt.CommHookState(algorithms.GradientAllReduce(), timeout=timeout)
+    ddp = torch.nn.parallel.DistributedDataParallel(_model())
+    ddp.register_comm_hook(state, bxt.comm_hook)
+    ddp(torch.randn(8, 16)).square().sum().backward()
+    streams.record = streams.mark = lambda stream: NeverDone()
+    start = time.monotonic()
+    done = []
+    try:
+        for _ in range(steps):
+            ddp(torch.randn(8, 16)).square().sum().backward()
+            done.append(time.monotonic() - start)
+    except Exception as e:  # noqa: BLE001 -- the test checks type and message
+        elapsed = time.monotonic() - start
+        if rank == 0:  # rank 0 hosts the store: stay until rank 1 has its report too
+            time.sleep(4)
+        return {"type": type(e).__name__, "message": str(e), "seconds": elapsed, "steps": done}
+    return {"type": None, "seconds": time.monotonic() - start, "steps": done}
+
+
+def hook_dead_peer(timeout=2.0):
+    """Rank 1 stops taking part after two steps (alive, in no collective); rank 0 trains on with the DDP comm
+    hook on several buckets: its next backward fails after one timeout (not one per bucket), and the one
+    after raises the BaguaXError at once."""
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x import algorithms
+
+    rank = _init()
+    state = bxt.CommHookState(algorithms.GradientAllReduce(), timeout=timeout)
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.002)
+    ddp.register_comm_hook(state, bxt.comm_hook)
+    for _ in range(2):  # DDP rebuilds its buckets at the second forward, with a collective of its own
+        ddp(torch.randn(8, 16)).square().sum().backward()
+    if rank == 1:
+        time.sleep(6 * timeout + 6)
+        return {"rank": 1}
+    out = {"buckets": len(state.buckets), "steps": []}
+    for _ in range(2):
+        start = time.monotonic()
+        try:
+            ddp(torch.randn(8, 16)).square().sum().backward()
+            out["steps"].append({"type": None, "seconds": time.monotonic() - start})
+        except Exception as e:  # noqa: BLE001 -- the test checks type and message
+            out["steps"].append({"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start})
+    return out

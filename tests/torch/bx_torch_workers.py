@@ -396,3 +396,42 @@ def async_average_stream_order(steps=30):
     wrapped.abort()
     trace, streams.TRACE = streams.TRACE, None
     return {"trace": trace, "rounds": wrapped._engine.rounds}
+
+
+def async_average_state_dict(hold=0.5):
+    """AsyncModelAverage averaging: ``state_dict()`` called on another thread while this one holds the weight
+    lock (as the averaging thread does for a whole round) must wait for it, and return copies, not the live
+    weights the thread goes on writing; ``weights_locked()`` is that lock, the stream events included."""
+    import threading
+    import time
+
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x.algorithms import AsyncModelAverage
+    from bagua_x.torch import streams
+
+    init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    wrapped = bxt.wrap(model, opt, algorithm=AsyncModelAverage(sync_interval_ms=20, warmup_steps=1))
+    opt.zero_grad()
+    wrapped(torch.randn(8, 16)).square().sum().backward()
+    opt.step()  # the averaging thread starts
+    engine, got = wrapped._engine, {}
+    reader = threading.Thread(target=lambda: got.update(wrapped.state_dict()))
+    with engine._lock:
+        reader.start()
+        time.sleep(hold)
+        waited = reader.is_alive()
+    reader.join(10)
+    live = {n: p.data_ptr() for n, p in model.state_dict().items()}
+    streams.TRACE = []
+    with wrapped.weights_locked():
+        locked = engine._lock.locked()
+    trace, streams.TRACE = streams.TRACE, None
+    wrapped.abort()
+    return {"waited": waited, "returned": not reader.is_alive(), "keys": sorted(got) == sorted(live),
+            "copies": all(v.data_ptr() != live[n] for n, v in got.items()), "locked": locked,
+            "trace": [op for op, stream in trace if stream == "current"]}

@@ -150,3 +150,13 @@ def test_async_averaging_hands_the_weights_over_through_stream_events():
         # the 2 warm-up steps' gradient bucket adds its ready event and the end-of-backward wait for its stream
         warmup = ["wait", "record", "wait_stream bagua_x-grad-comm", "record"]
         assert training == warmup * 2 + ["wait", "record"] * 28, training
+
+
+def test_async_averaging_state_dict_waits_for_the_weight_lock():
+    """While the averaging thread holds the weight lock (a round's write-back), state_dict() waits, then gives
+    copies (every tensor from one round, not the live weights written on); weights_locked() holds that lock
+    and orders the caller's stream after the thread's last write and the thread's next round after the reads."""
+    for out in run_workers("bx_torch_workers:async_average_state_dict", nproc=2, timeout=120, env=ENV):
+        assert out["waited"] and out["returned"], out
+        assert out["keys"] and out["copies"], out
+        assert out["locked"] and out["trace"] == ["wait", "record"], out

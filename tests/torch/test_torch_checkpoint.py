@@ -49,8 +49,10 @@ def test_saved_bucket_state_loads_as_its_type_and_a_misfit_is_refused_by_name():
 
     from bagua_x.algorithms import PowerSGDState
     from bagua_x.core import BaguaXError
+    from bagua_x.torch import streams
     from bagua_x.torch.engine.registration import load_states, state_dict_of
 
+    side = streams.side(torch.device("cpu"), "comm")  # the stream that reads the loaded state
     bucket = SimpleNamespace(name="bucket_0")
     live = PowerSGDState(step=torch.tensor(3, dtype=torch.int32), q=torch.ones(2), error=torch.zeros(4))
     saved = state_dict_of([SimpleNamespace(bucket=bucket, state=live)])
@@ -60,11 +62,11 @@ def test_saved_bucket_state_loads_as_its_type_and_a_misfit_is_refused_by_name():
     slot = SimpleNamespace(bucket=bucket, state=PowerSGDState(step=torch.tensor(0, dtype=torch.int32),
                                                               q=torch.zeros(2), error=torch.ones(4)))
     load_states([slot], {"bucket_0": {"step": torch.tensor(5, dtype=torch.int32), "q": torch.full((2,), 2.0),
-                                               "error": torch.full((4,), 3.0)}})
+                                               "error": torch.full((4,), 3.0)}}, side)
     assert type(slot.state) is PowerSGDState and int(slot.state.step) == 5
     assert slot.state.q.tolist() == [2.0, 2.0] and slot.state.error.tolist() == [3.0] * 4
     misspelt = {"bucket_0": {"step": live.step, "q": live.q, "eror": live.error}}
     with pytest.raises(BaguaXError, match=r"state of bucket 'bucket_0' does not fit PowerSGDState .*missing "
                                           r"\['error'\], unknown \['eror'\]"):
-        load_states([slot], misspelt)
+        load_states([slot], misspelt, side)
     assert int(slot.state.step) == 5  # untouched by the refused load

@@ -51,3 +51,13 @@ def test_triton_kernels_equal_compression_on_numpy_bit_for_bit():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", WORKER], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_launches_go_to_the_tensors_device():
+    """Triton launches on the thread's current CUDA device: each launch is wrapped in the tensor's."""
+    import torch
+
+    from bagua_x.torch import cuda_compression as T
+
+    on = T._on(torch.device("cuda", 1))
+    assert isinstance(on, torch.cuda.device) and on.idx == 1

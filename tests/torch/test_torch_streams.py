@@ -49,9 +49,11 @@ def test_engines_hand_buckets_over_through_stream_events(kind):
         assert wait_streams == steps
         if kind != "qadam":  # QAdam's warmup step has gradient buckets, the others momentum buckets
             assert jobs == steps * out["buckets"]
-        # Decentralized's snapshot is made on the compute stream and exchanged on the side stream
+        # Decentralized's snapshot is made on the compute stream and exchanged on the side stream; the weight
+        # algorithms' state (a step counter per bucket, made once) too; the gradient ones here keep no tensors
         kept = [op for op, stream in out["trace"] if op == "keep_for" and stream == SIDES[kind][0]]
-        assert len(kept) == (jobs if kind == "decentralized" else 0)
+        snapshots = jobs if kind == "decentralized" else 0
+        assert len(kept) == snapshots + (out["buckets"] if kind in ("decentralized", "model_average") else 0)
 
 
 def test_comm_hook_runs_on_its_stream_after_ddps():
@@ -97,3 +99,38 @@ def test_comm_hook_collective_past_its_deadline_on_the_device_is_reported():
         assert out["type"] is not None, out
         assert "DDP bucket 0 did not complete within 3 s" in message, message
         assert "still running on the device" in message, message
+
+
+def test_algorithm_state_made_on_the_training_stream_is_kept_for_the_communication_stream():
+    """State made or loaded on the training thread is read by reduce on the communication stream, and dropped
+    there for the state reduce returns: every one of its tensors is marked for that stream (record_stream), so
+    the caching allocator cannot hand its memory to backward while the communication stream still reads it."""
+    for out in run_workers("bx_stream_workers:state_streams", nproc=2, timeout=120, env=ENV):
+        for what, (tensors, all_kept) in out.items():
+            assert tensors >= 2 and all_kept, (what, out)
+
+
+def test_comm_hook_host_runs_at_most_one_step_ahead_of_unfinished_communication():
+    """DDP never waits for the hook's thread: without a bound, a loop behind a collective stuck on the device
+    queues work until a kernel launch blocks in C.  One step behind it returns at once; the next backward
+    raises the BaguaXError at the deadline (from the hook, not through a future)."""
+    timeout = 3.0
+    for out in run_workers("bx_stream_workers:hook_run_ahead", nproc=2, timeout=120, env=ENV, args=(timeout,)):
+        assert out["type"] == "BaguaXError", out
+        assert len(out["steps"]) == 1 and out["steps"][0] < 1.0, out
+        assert timeout - 0.5 < out["seconds"] < timeout + 3, out
+        assert "DDP bucket" in out["message"] and "still running on the device" in out["message"], out
+
+
+def test_comm_hook_dead_peer_is_reported_not_waited_for_bucket_by_bucket():
+    """A peer that stops taking part: the backward behind it fails after one timeout with the report (the
+    step's later buckets skipped, not each timing out in turn), and the next raises the BaguaXError at once."""
+    timeout = 2.0
+    out = run_workers("bx_stream_workers:hook_dead_peer", nproc=2, timeout=120, env=ENV, args=(timeout,))[0]
+    assert out["buckets"] >= 2, out  # one timeout each would take at least 2 * timeout
+    failed, after = out["steps"]
+    assert failed["type"] is not None and "bagua_x comm hook: GradientAllReduce on DDP bucket 0 failed" in \
+        failed["message"], out
+    assert failed["seconds"] < 1.5 * timeout, out
+    assert after["type"] == "BaguaXError" and after["seconds"] < 1.0, out
+    assert "DDP bucket 0 failed" in after["message"], out

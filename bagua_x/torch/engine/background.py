@@ -10,6 +10,9 @@ meanwhile.  The averaging is :class:`~bagua_x.algorithms.AsyncModelAverage`'s;
 this schedule (thread, lock, stop flag) is the torch frontend's.  The training
 thread holds the same lock from forward to the end of ``optimizer.step()``, so
 a gradient is always computed and applied on one consistent set of weights.
+Readers outside a step take it too (:meth:`AsyncAverageEngine.weights_locked`,
+``DistributedModel.state_dict()`` and ``weights_locked()``), so they never see
+half a round.
 
 Each round starts with a tiny allreduce of a stop flag, so ``abort()`` on any
 rank stops the threads of all ranks after the same round (no rank is left
@@ -49,6 +52,7 @@ from ...core.errors import BaguaXError
 from .. import streams
 from ..communicator import TorchCommunicator
 from ..distributed import private_group
+from ..runtime import join_at_exit
 from .gradient import GradientEngine
 from .interface import EngineOptions
 from .registration import build_buckets, register_parameters
@@ -144,6 +148,7 @@ class AsyncAverageEngine:
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="bagua_x-async-average", daemon=True)
         self._thread.start()
+        join_at_exit(self._thread, self._signal_stop)
 
     def _loop(self) -> None:
         interval = self.algorithm.sync_interval_ms / 1000
@@ -194,13 +199,17 @@ class AsyncAverageEngine:
                 self._waiting.notify_all()
 
     # -- control ----------------------------------------------------------------------------
-    def abort(self) -> None:
-        """Stop averaging on all ranks (collective: call it on every rank)."""
+    def _signal_stop(self) -> None:
+        """Ask the thread to stop after its round (the stop flag reaches every rank's thread in the next)."""
         self._stop.set()
         if self._holding:  # the thread may be waiting for the weights: let it see the stop flag
             self._holding = False
             self._released["training"] = streams.record(streams.current(self._device))
             self._lock.release()
+
+    def abort(self) -> None:
+        """Stop averaging on all ranks (collective: call it on every rank)."""
+        self._signal_stop()
         if self._thread is not None:
             self._thread.join(self.comm.timeout)
             if self._thread.is_alive():
@@ -216,6 +225,21 @@ class AsyncAverageEngine:
         self._stop.clear()
         if self.steps >= self.algorithm.warmup_steps:
             self._start()
+
+    @contextlib.contextmanager
+    def weights_locked(self):
+        """The weights as the last averaging round left them: the thread waits for the lock meanwhile (on CUDA
+        the caller's stream waits for its last write, and its next round for the caller's reads).  Gives True
+        while the thread runs: outside the block it writes them again, so keep copies, not the tensors."""
+        if self._holding:  # between forward and optimizer.step(): the training thread holds the lock already
+            yield self._thread is not None
+            return
+        with self._lock:
+            streams.wait(streams.current(self._device), self._released["thread"])
+            try:
+                yield self._thread is not None
+            finally:
+                self._released["training"] = streams.record(streams.current(self._device))
 
     def state_dict(self) -> dict:
         return {}

@@ -28,6 +28,7 @@ training thread, then ``_reduce`` -> :func:`reduce_in_place` ->
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Optional, Sequence
@@ -44,7 +45,7 @@ from ..runtime import BackwardHooks, CommWorker
 from ..stall import StallInspector
 from .interface import EngineOptions
 from .ready_counts import ReadyCounts
-from .registration import load_states, state_dict_of
+from .registration import keep_state_for, load_states, state_dict_of
 
 __all__ = ["BucketSlot", "BucketedEngine", "BackwardEngine", "reduce_in_place"]
 
@@ -98,8 +99,11 @@ class BucketedEngine:
         return [s.bucket for s in self.slots]
 
     def _slots(self, buckets: Sequence[Bucket], states: Sequence[dict]) -> list[BucketSlot]:
+        """Slots for ``buckets`` with ``states``, made on this (the training) thread's stream: marked for the
+        communication stream that reads them (:func:`~.registration.keep_state_for`)."""
         name = type(self.algorithm).__name__
-        return [BucketSlot(b, s, f"{name} on {b.name}") for b, s in zip(buckets, states)]
+        return [BucketSlot(b, keep_state_for(s, self._worker.stream), f"{name} on {b.name}")
+                for b, s in zip(buckets, states)]
 
     def _submit(self, slot: BucketSlot, flat: torch.Tensor) -> None:
         """Run the algorithm on ``flat``, the values of ``slot``'s bucket, on the communication thread."""
@@ -110,11 +114,15 @@ class BucketedEngine:
         slot.state = reduce_in_place(self.algorithm, flat, slot.bucket.layout, slot.state, self.comm,
                                      (slot.bucket, self.what) if self.check_finite else None)
 
+    def weights_locked(self):
+        """Only the training thread writes the weights (the communication thread is waited for in the step)."""
+        return contextlib.nullcontext(False)
+
     def state_dict(self) -> dict:
         return state_dict_of(self.slots)
 
     def load_state_dict(self, saved: dict) -> None:
-        load_states(self.slots, saved)
+        load_states(self.slots, saved, self._worker.stream)
 
     def close(self) -> None:
         self._worker.close()

@@ -68,6 +68,10 @@ class Engine(Protocol):
     def after_forward(self, outputs) -> None:
         """See the forward's ``outputs`` (e.g. to end communication where backward ends, :class:`..runtime.BackwardHooks`)."""
 
+    def weights_locked(self):
+        """Context in which no other thread writes the weights; it gives True when one does outside it
+        (AsyncModelAverage's averaging), so what the caller keeps of them must be copied inside."""
+
     def state_dict(self) -> dict:
         """Per-bucket algorithm state, copied."""
 

@@ -111,6 +111,9 @@ class MomentumEngine:
     def after_forward(self, outputs) -> None:
         self._phase.after_forward(outputs)
 
+    def weights_locked(self):
+        return self._phase.weights_locked()
+
     def state_dict(self) -> dict:
         """QAdam's state is the optimizer's own (``optimizer.state_dict()``, step counter included)."""
         return {}

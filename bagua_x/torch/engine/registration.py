@@ -16,8 +16,10 @@ from ...algorithms.base import Algorithm, Target, state_from_dict
 from ...core.bucket import Bucket, plan_buckets
 from ...core.errors import BaguaXError
 from ...core.tensor import RegisteredTensor, TensorRegistry
+from .. import streams
 
-__all__ = ["grad_getter", "grad_setter", "register_parameters", "build_buckets", "state_dict_of", "load_states"]
+__all__ = ["grad_getter", "grad_setter", "register_parameters", "build_buckets", "state_dict_of", "load_states",
+           "keep_state_for"]
 
 
 def grad_getter(p: torch.Tensor) -> Optional[torch.Tensor]:
@@ -82,8 +84,21 @@ def state_dict_of(slots: Sequence) -> dict:
     return {s.bucket.name: {k: _copy_like(v, v) for k, v in s.state._asdict().items()} for s in slots}
 
 
-def load_states(slots: Sequence, saved: dict) -> None:
-    """Each slot's state from its bucket's saved dict (copied), as the type of the state it replaces."""
+def keep_state_for(state, stream: "streams.Stream"):
+    """Mark ``state``'s tensors, made on the training thread's stream, for ``stream`` (the communication
+    stream, where ``reduce`` reads them) and return ``state``.  Without the mark, once the communication
+    thread drops them for the state ``reduce`` returns, the caching allocator hands their memory to the
+    training stream while the communication stream may still be reading them (PowerSGD's Q and error
+    feedback at its first compressed step, and after every load)."""
+    for v in state:
+        if isinstance(v, torch.Tensor):
+            streams.keep_for(v, stream)
+    return state
+
+
+def load_states(slots: Sequence, saved: dict, stream: "streams.Stream") -> None:
+    """Each slot's state from its bucket's saved dict (copied), as the type of the state it replaces, marked
+    for ``stream``, the communication stream that reads it (:func:`keep_state_for`)."""
     names = [s.bucket.name for s in slots]
     if sorted(saved) != sorted(names):
         raise BaguaXError(
@@ -92,7 +107,7 @@ def load_states(slots: Sequence, saved: dict) -> None:
         )
     loaded = [state_from_dict(s.state, saved[s.bucket.name], f"bucket {s.bucket.name!r}") for s in slots]
     for s, state in zip(slots, loaded):
-        s.state = type(state)(*map(_copy_like, state, s.state))
+        s.state = keep_state_for(type(state)(*map(_copy_like, state, s.state)), stream)
 
 
 def _copy_like(v, template):

@@ -42,7 +42,7 @@ from ..communicator import TorchCommunicator
 from ..runtime import BackwardHooks
 from .base import BucketedEngine
 from .interface import EngineOptions
-from .registration import build_buckets, register_parameters
+from .registration import build_buckets, keep_state_for, register_parameters
 
 __all__ = ["WeightEngine"]
 
@@ -138,7 +138,8 @@ class WeightEngine(BucketedEngine):
             for slot in self.slots:
                 weights = self._weights(slot.bucket)
                 weights.copy_(self.comm.allreduce(weights.clone(), ReduceOp.AVG))
-                slot.state = self.algorithm.init(weights, slot.bucket.layout, self.comm.size)
+                slot.state = keep_state_for(self.algorithm.init(weights, slot.bucket.layout, self.comm.size),
+                                            self._worker.stream)
 
     @staticmethod
     def _weights(bucket: Bucket) -> torch.Tensor:

@@ -40,7 +40,15 @@ Bounds, ``timeout`` seconds (as ``wrap(timeout=...)``; default the process
 group's): a collective still running on the device past its deadline (NCCL
 returns at once, so the thread polls an event recorded after it) breaks the
 thread: every later bucket is skipped there and fails its future with the
-report, which DDP raises at the end of that backward.
+report, which DDP raises at the end of that backward.  A bucket whose
+reduction raised (gloo's timeout, a failed check) breaks it too: the step's
+later buckets are skipped (not one timeout each), and every later hook call
+raises the BaguaXError from backward.  The run-ahead bound of ``wrap``
+(:meth:`~..runtime.CommWorker.run_ahead`), since DDP never waits for the thread
+itself: each step's first bucket waits (polling an event, no host sync) for the
+communication of the step before the last, so on CUDA a collective stuck on the
+device raises the report from backward at its deadline instead of letting the
+host queue work until a kernel launch blocks in C.
 
 Only gradient algorithms (``target`` GRAD, ``phase`` AFTER_BACKWARD: GradientAllReduce,
 ByteGrad, PowerSGD) fit in a hook: weight and momentum algorithms act on parameters or
@@ -63,6 +71,7 @@ from .. import streams
 from ..communicator import TorchCommunicator
 from ..distributed import private_group
 from ..engine.base import reduce_in_place
+from ..engine.registration import keep_state_for
 from ..runtime import CommWorker
 from ..store import resolve_timeout
 
@@ -119,12 +128,18 @@ class CommHookState:
         self._positions: "dict[int, int]" = {}  # id(parameter) -> position, in the order the hook first sees them
         self._parameters: "list[torch.Tensor]" = []  # kept alive, so no other tensor takes their ids
         self._worker: Optional[CommWorker] = None  # started at the first bucket, on the gradients' device
+        self._failed: Optional[BaguaXError] = None  # a bucket's failure: every later hook call raises it
 
     def submit(self, bucket: dist.GradBucket) -> "torch.futures.Future[torch.Tensor]":
         """Queue ``bucket`` on the communication thread; the future gets its reduced buffer."""
         index, buffer = bucket.index(), bucket.buffer()
         if self._worker is None:
             self._worker = CommWorker("bagua_x-comm-hook", buffer.device, self.comm.timeout)
+        if self._failed is not None:  # the process group is broken: say so here, not in another collective
+            raise BaguaXError(f"{self._failed}; so this hook cannot communicate any more: exit and restart from "
+                              "a checkpoint (torchrun --max-restarts restarts all ranks)") from self._failed
+        if index == 0:  # a step's first bucket (DDP calls the hook in bucket order)
+            self._worker.run_ahead()
         fut = streams.future(buffer.device)
         layout = bucket_layout(bucket, self.algorithm.alignment(self.comm.size))
         keys = self._keys(bucket)
@@ -155,10 +170,12 @@ class CommHookState:
                 buffer.copy_(flat[:buffer.numel()])
             fut.set_result(buffer)
         except BaseException as e:  # noqa: BLE001 -- DDP re-raises it from the future at the end of backward
-            fut.set_exception(BaguaXError(
+            self._failed = BaguaXError(
                 f"bagua_x comm hook: {type(self.algorithm).__name__} on DDP bucket {index} failed: "
                 f"{type(e).__name__}: {e}"
-            ))
+            )
+            fut.set_exception(self._failed)
+            raise self._failed from e  # the thread skips this step's later buckets (their futures fail with it)
 
     def _state(self, index: int, keys: "tuple[int, ...]", flat: torch.Tensor, layout: BucketLayout) -> NamedTuple:
         """The bucket's algorithm state: kept if it holds the same parameters as last time, else joined from its
@@ -177,8 +194,8 @@ class CommHookState:
         pieces = []
         for key, new in zip(keys, fresh):
             piece = self._loose.pop(key, new)
-            if isinstance(piece, dict):  # loaded
-                piece = state_from_dict(new, piece, f"parameter {key}")
+            if isinstance(piece, dict):  # loaded: copied on the training thread's stream, read on this one
+                piece = keep_state_for(state_from_dict(new, piece, f"parameter {key}"), self._worker.stream)
             piece = type(new)(*(_like(v, fresh_v) for v, fresh_v in zip(piece, new)))
             if _shapes(piece) != _shapes(new):
                 raise BaguaXError(
@@ -212,7 +229,7 @@ class CommHookState:
     def close(self) -> None:
         """Stop the communication thread (after the last backward)."""
         if self._worker is not None:
-            self._worker.close(join=True)
+            self._worker.close()
 
 
 # annotations evaluated (no ``from __future__ import annotations``): DDP's register_comm_hook checks them
