@@ -208,18 +208,14 @@ class CommWorker:
             self._stuck = self._timed_out(what, bucket, "The communication thread is still blocked in the collective")
             raise self._stuck
         streams.wait_stream(streams.current(self._device), self.stream)
-        previous, self._previous_wait = self._previous_wait, streams.mark(self.stream)
-        while not streams.done(previous):  # bounded: the thread breaks the worker at the job's deadline
-            self.check()
-            time.sleep(RUN_AHEAD_POLL)
+        self.run_ahead()
         if error is not None:
             raise error
 
     def run_ahead(self) -> None:
-        """For a caller that never calls :meth:`wait` (the DDP comm hook, whose futures order the caller's
-        stream), at the start of each step: the host stays at most one step ahead of the side stream, as after
-        :meth:`wait` (polling, no host sync), and raises the report once the thread finds a job past its
-        deadline."""
+        """The host stays at most one call ahead of the side stream (polling, no host sync), raising the report
+        once the thread finds a job past its deadline: at the end of :meth:`wait`, and at the start of each step
+        for a caller that never waits (the DDP comm hook, whose futures order the caller's stream)."""
         self.check()
         previous, self._previous_wait = self._previous_wait, streams.mark(self.stream)
         while not streams.done(previous):  # bounded: the thread breaks the worker at the job's deadline
