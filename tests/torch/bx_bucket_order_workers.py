@@ -130,14 +130,43 @@ def _memory_kb(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def rebuild_peak_memory(layers=8, width=1024, order=(5, 2, 7, 0, 3, 6, 1, 4), per_bucket=1):
-    """The growth of this process's peak RSS during the first backward, whose end rebuilds the buckets.
+def _end_of_backward_growth(loss) -> tuple[float, float]:
+    """``loss.backward()``'s peak RSS growth in MB: (backward's own, up to its end-of-backward callbacks;
+    the callbacks', from the RSS when they start).  A pre-hook on the loss's node queues a marker callback
+    before any parameter's hook queues wrap's, so the marker runs first: backward's temporaries are
+    freed, wrap's rebuild and communication not begun.  ``/proc/self/clear_refs`` resets ``VmHWM``."""
+    import torch
 
-    ``layers`` square weights of ``width`` (4 MB each at 1024), used in ``order`` rather than in
-    definition order, ``per_bucket`` in each bucket, so every bucket is rebuilt.  Run with
+    def reset_peak():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := the current RSS
+
+    at_end = {}
+
+    def mark():
+        at_end["peak"], at_end["rss"] = _memory_kb("VmHWM"), _memory_kb("VmRSS")
+        reset_peak()
+
+    loss.grad_fn.register_prehook(lambda *_: torch.autograd.Variable._execution_engine.queue_callback(mark))
+    before = _memory_kb("VmRSS")
+    reset_peak()
+    loss.backward()
+    return (at_end["peak"] - before) / 1024, (_memory_kb("VmHWM") - at_end["rss"]) / 1024
+
+
+def rebuild_peak_memory(layers=8, width=1024, shuffled=(5, 2, 7, 0, 3, 6, 1, 4), per_bucket=1):
+    """The peak RSS growth of a first backward, in MB, split at its end-of-backward callbacks
+    (:func:`_end_of_backward_growth`): backward's own temporaries (a 4 MB weight gradient per matmul,
+    the BLAS's and the allocator's: machine dependent) apart from what wrap's rebuild and first
+    communication add.  Three models in this process: a warm-up (a process's first wrapped backward
+    pays one-off costs, about 2 MB in each part here), then the layers used in definition order (the
+    ready order gives the buckets they have: all ``kept``, the baseline) and in ``shuffled`` order
+    (every bucket ``rebuilt``).
+
+    ``layers`` square weights of ``width`` (4 MB each at 1024), ``per_bucket`` in each bucket.  Run with
     ``MALLOC_MMAP_THRESHOLD_`` small: every buffer is then mapped on allocation and unmapped when
-    freed, so the peak RSS (reset through ``/proc/self/clear_refs`` just before) is the peak of
-    live buffers, not of what malloc kept cached.
+    freed, so the peak RSS is the peak of live buffers, not of what malloc kept cached (``freed_mb``:
+    what freeing one bucket-sized tensor gave back, the check that this holds here).
     """
     import torch
     from torch import nn
@@ -145,21 +174,21 @@ def rebuild_peak_memory(layers=8, width=1024, order=(5, 2, 7, 0, 3, 6, 1, 4), pe
     import bagua_x.torch as bxt
 
     rank, _ = _init()
-    torch.manual_seed(0)
-    model = nn.ModuleList([nn.Linear(width, width, bias=False) for _ in range(layers)])
     bucket_mb = per_bucket * width * width * 4 / 2**20
-    wrapped = bxt.wrap(model, bucket_cap_mb=bucket_mb)
-    registered = [[t.name for t in b.tensors] for b in wrapped.buckets]
-    x = torch.randn(4, width, generator=torch.Generator().manual_seed(rank))
-    for i in order:
-        x = torch.tanh(model[i](x))
-    loss = x.square().mean()
-    before = _memory_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    loss.backward()
-    growth = _memory_kb("VmHWM") - before
-    rebuilt = [[t.name for t in b.tensors] for b in wrapped.buckets]
-    wrapped.shutdown()
-    return {"growth_mb": growth / 1024, "bucket_mb": bucket_mb,
-            "grads_mb": layers * width * width * 4 / 2**20, "registered": registered, "rebuilt": rebuilt}
+    probe = torch.ones(per_bucket * width * width)  # does a freed bucket leave the RSS (else nothing is measured)?
+    held = _memory_kb("VmRSS")
+    del probe
+    out = {"bucket_mb": bucket_mb, "freed_mb": (held - _memory_kb("VmRSS")) / 1024}
+    for case, order in (("warm-up", range(layers)), ("kept", range(layers)), ("rebuilt", shuffled)):
+        torch.manual_seed(0)
+        model = nn.ModuleList([nn.Linear(width, width, bias=False) for _ in range(layers)])
+        wrapped = bxt.wrap(model, bucket_cap_mb=bucket_mb)
+        registered = [[t.name for t in b.tensors] for b in wrapped.buckets]
+        x = torch.randn(4, width, generator=torch.Generator().manual_seed(rank))
+        for i in order:
+            x = torch.tanh(model[i](x))
+        backward_mb, end_mb = _end_of_backward_growth(x.square().mean())
+        out[case] = {"backward_mb": backward_mb, "end_mb": end_mb, "registered": registered,
+                     "buckets": [[t.name for t in b.tensors] for b in wrapped.buckets]}
+        wrapped.shutdown()
+    return out

@@ -9,6 +9,7 @@ test_torch_checkpoint.py's ``PowerSGDOutOfOrder``.)
 
 import os
 
+import pytest
 from launch import run_workers
 
 ENV = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
@@ -37,11 +38,22 @@ def test_buckets_the_ready_order_would_not_change_are_kept():
 
 
 def test_rebuild_frees_each_old_buffer_as_it_goes():
-    """The rebuild's peak: gradients plus one bucket, not two full sets of buffers.  32 MB of gradients in
-    4 MB buckets, all rebuilt; the peak RSS grows by 5.0-6.0 MB over the first backward (one bucket and
-    1-2 MB of backward's own; 33 MB before the fix, when the cached views kept every old buffer alive). The
-    bound, one bucket + 3 MB, still fails if a single old buffer outlives its replacement."""
+    """The rebuild holds the gradients plus one bucket, not two sets of buffers: 32 MB of gradients in 4 MB
+    buckets, each old buffer freed before the next is replaced.  Measured from the RSS at the end of
+    backward (backward's own temporaries, ~4-6 MB here and machine dependent, come before), against the
+    same model whose buckets are kept (its first communication: gloo's scratch, half a bucket here):
+    4.0 MB rebuilt, 1.9 MB kept; 8.0 MB when a single old buffer outlives its replacement, 36 MB when all
+    do.  A kept old buffer adds a bucket to both the rebuild's peak and the communication's after it,
+    so the bound, the larger of one bucket and the baseline plus 1.5 MB, fails for a single one."""
     env = {**ENV, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed buffers go back to the system at once
     for out in run_workers("bx_bucket_order_workers:rebuild_peak_memory", nproc=2, timeout=120, env=env):
-        assert len(out["rebuilt"]) == 8 and out["rebuilt"] != out["registered"], "the buckets must be rebuilt"
-        assert out["growth_mb"] <= out["bucket_mb"] + 3.0, (out["growth_mb"], out["bucket_mb"], out["grads_mb"])
+        if out["freed_mb"] < 0.9 * out["bucket_mb"]:
+            pytest.skip(f"this malloc keeps freed buffers (freeing {out['bucket_mb']} MB gave back "
+                        f"{out['freed_mb']:.1f} MB): the peak RSS does not measure live buffers")
+        kept, rebuilt = out["kept"], out["rebuilt"]
+        assert kept["buckets"] == kept["registered"], "the in-order model's buckets must be kept"
+        assert len(rebuilt["buckets"]) == 8 and all(
+            r != b for r, b in zip(rebuilt["registered"], rebuilt["buckets"])), "every bucket must be rebuilt"
+        bound = max(out["bucket_mb"], kept["end_mb"]) + 1.5
+        assert rebuilt["end_mb"] <= bound, {"bound": bound, **{c: (out[c]["backward_mb"], out[c]["end_mb"])
+                                                              for c in ("warm-up", "kept", "rebuilt")}}
