@@ -138,7 +138,16 @@ class CommWorker:
                     continue
                 if item is None:
                     return
-                self._execute(*item)
+                try:
+                    self._execute(*item)
+                finally:
+                    # the job (a closure over its bucket's buffer) is dropped before the training thread hears
+                    # it is done: a bucket rebuild right after the wait frees the old buffer, not one job later
+                    item = None
+                    with self._done:
+                        self._pending -= 1
+                        self._since = time.monotonic()
+                        self._done.notify_all()
                 self._check_deadline()
 
     def _execute(self, what: str, job: Callable[[], None], bucket: Optional[Bucket], ready,
@@ -162,11 +171,6 @@ class CommWorker:
             report = "" if isinstance(e, BaguaXError) else self._report(bucket)
             self._error = BaguaXError(f"{what} failed on the communication thread: {type(e).__name__}: {e}{report}")
             self._error.__cause__ = e
-        finally:
-            with self._done:
-                self._pending -= 1
-                self._since = time.monotonic()
-                self._done.notify_all()
 
     def _check_deadline(self) -> None:
         """Drop finished jobs; the oldest unfinished one past its deadline breaks the worker."""
