@@ -3,7 +3,8 @@ bytes and the decompressed values must equal ``compression.py`` run on numpy, bi
 
 The interpreter executes the kernels' own code with numpy (same operations, same rounding), so this checks
 their indexing, masking, header bytes and formulas without a GPU; the GPU check (check 7) runs them
-compiled.  Skipped where Triton is not installed (it is not a test dependency: a GPU install brings it).
+compiled.  Triton is in the test extra (Linux x86-64, where its wheels are), so `make test` runs it; skipped
+where Triton is not installed.
 """
 
 import os
