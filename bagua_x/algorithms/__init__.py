@@ -3,6 +3,7 @@
 from .allreduce import GradientAllReduce
 from .base import Algorithm, EmptyState, Phase, Target
 from .bytegrad import ByteGrad
+from .diloco import DiLoCo, DiLoCoState
 from .decentralized import Decentralized, DecentralizedState
 from .low_precision_decentralized import LowPrecisionDecentralized, LowPrecisionDecentralizedState
 from .model_average import AsyncModelAverage, ModelAverage, ModelAverageState
@@ -12,5 +13,5 @@ from .qadam import QAdam, QAdamState
 __all__ = [
     "Algorithm", "Target", "Phase", "EmptyState", "GradientAllReduce", "ByteGrad", "Decentralized",
     "DecentralizedState", "LowPrecisionDecentralized", "LowPrecisionDecentralizedState", "ModelAverage",
-    "ModelAverageState", "AsyncModelAverage", "QAdam", "QAdamState", "PowerSGD", "PowerSGDState",
+    "ModelAverageState", "AsyncModelAverage", "QAdam", "QAdamState", "PowerSGD", "PowerSGDState", "DiLoCo", "DiLoCoState",
 ]

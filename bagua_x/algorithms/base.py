@@ -91,6 +91,9 @@ class Algorithm:
     #: the state refers to peers of one form (ranks flat, nodes over nodes): a frontend that changes
     #: the form of a running algorithm restarts its state from the ranks' average values (as at set-up).
     state_follows_form = False
+    #: where ``reduce`` runs over nodes, a node is one worker: the frontend also averages the gradients inside
+    #: each node every step (before the optimizer), so a node's ranks stay identical (DiLoCo).
+    averages_gradients_in_node = False
 
     @property
     def uses(self) -> frozenset[Feature]:
@@ -101,6 +104,12 @@ class Algorithm:
     def requires(self) -> frozenset[Feature]:
         """The features of :attr:`uses` the user asked for explicitly: a frontend that cannot offer one refuses."""
         return frozenset()
+
+    @property
+    def timed_form(self) -> bool:
+        """Whether a frontend with node groups picks flat or over nodes by timing both (``hierarchical=None``:
+        the two forms give the same result, only their speed differs).  False where the setting decides."""
+        return Feature.HIERARCHICAL in self.uses and Feature.HIERARCHICAL not in self.requires
 
     def alignment(self, world_size: int) -> int:
         """Bucket buffers are padded to a multiple of this many elements."""

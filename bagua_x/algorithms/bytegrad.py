@@ -23,18 +23,20 @@ from array_api_compat import is_writeable_array
 
 from ..core.comm import ReduceOp
 from .base import Algorithm, NodeAware, compressed_bytes, namespace
-from .compression import compress_rows, decompress_rows, reduce_requantize
+from .compression import Codec, codec
 
 __all__ = ["ByteGrad", "compressed_allreduce", "compressed_average"]
 
 
-def compressed_allreduce(flat, comm, average: bool = True, out=None):
-    """The ByteGrad exchange on a flat float array whose length is a multiple of ``comm.size``.
+def compressed_allreduce(flat, comm, average: bool = True, out=None, bits: int = 8):
+    """The ByteGrad exchange on a flat float array whose length is a multiple of ``comm.size``
+    (times 2 for ``bits=4``, whose codes pack two a byte).
 
     ``out`` (writable, flat's shape and dtype; ``flat`` itself is allowed: it is
     not read after compression) receives the result and is returned.
     """
-    return _decompressed(_exchange(flat, comm, average), flat, out)
+    forms = codec(bits)
+    return _decompressed(_exchange(flat, comm, average, forms), flat, out, forms)
 
 
 def compressed_average(flat, comm, average: bool, two_level: bool):
@@ -50,23 +52,24 @@ def compressed_average(flat, comm, average: bool, two_level: bool):
     xp = namespace(flat)
     within = comm.within
     shard = within.reduce_scatter(xp.reshape(flat, (within.size, -1)), ReduceOp.AVG if average else ReduceOp.SUM)
-    packed = within.allgather(_exchange(shard, comm.across, average))  # (L, nodes, chunk + 8)
-    return _decompressed(xp.reshape(packed, (-1, packed.shape[-1])), flat, out)
+    eight = codec(8)
+    packed = within.allgather(_exchange(shard, comm.across, average, eight))  # (L, nodes, chunk + 8)
+    return _decompressed(xp.reshape(packed, (-1, packed.shape[-1])), flat, out, eight)
 
 
-def _exchange(flat, comm, average: bool):
-    """Compress, alltoall, reduce and re-compress each rank's chunk, allgather: (size, chunk + 8) uint8."""
+def _exchange(flat, comm, average: bool, forms: Codec):
+    """Compress, alltoall, reduce and re-compress each rank's chunk, allgather: (size, packed chunk) uint8."""
     xp = namespace(flat)
-    mine = reduce_requantize(comm.alltoall(compress_rows(xp.reshape(flat, (comm.size, -1)))), average)
+    mine = forms.reduce_requantize(comm.alltoall(forms.compress(xp.reshape(flat, (comm.size, -1)))), average)
     return comm.allgather(mine[0, :])
 
 
-def _decompressed(packed, flat, out):
+def _decompressed(packed, flat, out, forms: Codec):
     xp = namespace(flat)
     if out is not None:
-        decompress_rows(packed, out=xp.reshape(out, (packed.shape[0], -1)))
+        forms.decompress(packed, out=xp.reshape(out, (packed.shape[0], -1)))
         return out
-    return xp.astype(xp.reshape(decompress_rows(packed), (-1,)), flat.dtype)
+    return xp.astype(xp.reshape(forms.decompress(packed), (-1,)), flat.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

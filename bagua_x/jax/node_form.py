@@ -124,8 +124,7 @@ def measured_form(algorithm: Algorithm, layouts: Sequence[BucketLayout], axis_na
     """The faster form (True: over nodes), or None where it is not measured here: the setting forces a
     form, there is one node or one device per node, or ``world_size`` is not every device (the step's axis
     is not the pmap over all devices, which is what can be timed)."""
-    setting_is_none = Feature.HIERARCHICAL in algorithm.uses and Feature.HIERARCHICAL not in algorithm.requires
-    if not (setting_is_none and local >= 2 and world_size % local == 0 and world_size // local >= 2):
+    if not (algorithm.timed_form and local >= 2 and world_size % local == 0 and world_size // local >= 2):
         return None
     if world_size != jax.device_count():
         log.info("bagua_x: %s is not timed flat against over nodes: world_size %d is not the %d devices a pmap "

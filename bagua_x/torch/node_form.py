@@ -32,7 +32,6 @@ from ..algorithms.base import Algorithm
 from ..core.autotune import StepTrial
 from ..core.comm import Feature, ReduceOp
 from .communicator import TorchCommunicator
-from .nodes import declared_setting
 
 __all__ = ["NodeForm", "FORM_KEY"]
 
@@ -46,7 +45,7 @@ class NodeForm:
 
     def __init__(self, algorithm: Algorithm, comm: TorchCommunicator):
         self.algorithm, self.comm = algorithm, comm
-        self.measured = declared_setting(algorithm) is None and Feature.HIERARCHICAL in comm.features
+        self.measured = algorithm.timed_form and Feature.HIERARCHICAL in comm.features
         self.two_level: Optional[bool] = None  # chosen (or loaded) form; None: not yet
         self._trial: Optional[StepTrial] = None  # the steps being timed
         self._running: Optional[bool] = None  # the form the trial's current step runs in

@@ -1,0 +1,236 @@
+"""DiLoCo and Streaming DiLoCo: H local steps, then an outer Nesterov step on the averaged pseudo-gradient.
+
+DiLoCo (arXiv 2311.08105): each worker runs ``sync_every`` = H steps of its
+own (inner) optimizer; then the pseudo-gradient ``global - local`` (the global
+copy is state) is averaged over the workers and an outer SGD with Nesterov
+momentum steps the global copy, exactly as ``torch.optim.SGD(nesterov=True)``
+would: ``m = mu m + g``; ``g' = g + mu m``; ``global -= lr g'``.  Every worker
+continues from the new global weights.  Traffic: one exchange per H steps.
+
+Streaming DiLoCo (arXiv 2501.18512; torchft's keywords): ``fragments`` = P
+splits each bucket into P contiguous element ranges, fragment i synced at
+steps ``o_i + kH`` with ``o_i = floor(H (i + 1) / P)`` (torchft's schedule),
+so one exchange moves 1/P of the model.  With ``fragment_sync_delay`` = tau
+the pseudo-gradient is taken at the launch step and its average lands tau
+steps later (a frontend may overlap the exchange with those steps; the
+result is the same): on landing, the global copy takes the outer step and
+``local = global + alpha (local - global)`` (``fragment_update_alpha``; 0 takes
+the global weights, dropping the local steps made in between, as torchft).
+
+``bits`` 8 or 4 sends the pseudo-gradient quantised, as ByteGrad does
+(MinMaxUInt8 chunks, alltoall, reduce and re-quantise, allgather); 4 bits
+pack two codes a byte.  The average lands identical on every worker.
+
+Two levels: where the frontend has node groups, a node is one worker
+(:attr:`averages_gradients_in_node`: the frontend averages gradients inside
+each node every inner step, so a node's ranks stay identical) and only the
+outer exchange crosses nodes, each of a node's ranks carrying one shard
+(:func:`~.base.over_nodes`).  Which form runs is not timed, unlike
+``hierarchical=None`` elsewhere: the two are different algorithms (a worker
+is a rank or a node), so the setting decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import array_api_compat
+
+from ..core.comm import Feature, ReduceOp
+from ..core.errors import BaguaXError
+from .base import Algorithm, Phase, Target, counter, hierarchical, namespace, over_nodes, ring_allreduce_bytes
+from .bytegrad import compressed_allreduce
+
+__all__ = ["DiLoCo", "DiLoCoState"]
+
+
+class DiLoCoState(NamedTuple):
+    step: Any  # inner (optimizer) steps so far (counter)
+    global_weights: Any  # the weights every worker agreed on at each fragment's last landing
+    momentum: Any  # the outer optimizer's momentum buffer
+    pending: Any  # averaged pseudo-gradients in flight (fragment_sync_delay > 0), else empty
+
+
+@dataclasses.dataclass(frozen=True)
+class DiLoCo(Algorithm):
+    """DiLoCo (``fragments=1``) and Streaming DiLoCo over the user's own (inner) optimizer.
+
+    Args:
+        sync_every: H, inner steps between two exchanges of a fragment.
+        outer_lr: the outer SGD's learning rate (DiLoCo's 0.7).
+        outer_momentum: its momentum (0.9).
+        nesterov: Nesterov momentum (as torch's SGD), else heavy ball.
+        fragments: P, the parts of the model synchronised at staggered steps (Streaming DiLoCo); each
+            bucket is split into P contiguous element ranges.  ``sync_every >= fragments``.
+        fragment_sync_delay: tau, inner steps between a fragment's launch and its landing;
+            ``tau < sync_every // fragments`` (a fragment lands before the next one launches).
+        fragment_update_alpha: on landing, ``local = global + alpha (local - global)``; 0 takes the global.
+        bits: 32 (full precision), 8 or 4: how the pseudo-gradient travels.
+        hierarchical: ``None`` (default): a node is one worker where the frontend knows >= 2 nodes of
+            >= 2 ranks; ``True``: require node groups; ``False``: every rank is a worker.
+    """
+
+    sync_every: int = 100
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    fragments: int = 1
+    fragment_sync_delay: int = 0
+    fragment_update_alpha: float = 0.0
+    bits: int = 32
+    hierarchical: Optional[bool] = None
+
+    target = Target.WEIGHT
+    phase = Phase.AFTER_STEP
+    state_follows_form = True  # the global copy and momentum are a worker's: a rank's or a node's
+    averages_gradients_in_node = True
+    timed_form = False  # a worker is a rank or a node: two algorithms, not two speeds of one
+
+    def __post_init__(self):
+        problems = []
+        if self.sync_every < 1:
+            problems.append(f"sync_every must be >= 1, got {self.sync_every}")
+        if self.fragments < 1 or self.fragments > self.sync_every:
+            problems.append(f"fragments must be between 1 and sync_every ({self.sync_every}): one fragment is "
+                            f"synchronised at a time, got {self.fragments}")
+        elif not 0 <= self.fragment_sync_delay < self.sync_every // self.fragments:
+            problems.append(f"fragment_sync_delay must be >= 0 and < sync_every // fragments = "
+                            f"{self.sync_every // self.fragments} (a fragment lands before the next one launches), "
+                            f"got {self.fragment_sync_delay}")
+        if not 0.0 <= self.fragment_update_alpha <= 1.0:
+            problems.append(f"fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha}")
+        if self.bits not in (32, 8, 4):
+            problems.append(f"bits must be 32, 8 or 4, got {self.bits}")
+        if self.outer_lr <= 0 or not 0.0 <= self.outer_momentum < 1.0:
+            problems.append(f"outer_lr must be > 0 and outer_momentum in [0, 1), got {self.outer_lr} and "
+                            f"{self.outer_momentum}")
+        if problems:
+            raise BaguaXError("DiLoCo: " + "; ".join(problems))
+
+    @property
+    def uses(self) -> frozenset[Feature]:
+        return frozenset() if self.hierarchical is False else frozenset({Feature.HIERARCHICAL})
+
+    @property
+    def requires(self) -> frozenset[Feature]:
+        return frozenset({Feature.HIERARCHICAL}) if self.hierarchical is True else frozenset()
+
+    # -- the schedule (static: from the hyperparameters alone) ---------------------------------------------
+    def fragment_bounds(self, numel: int) -> list[tuple[int, int]]:
+        """Each fragment's element range ``[start, stop)`` in a bucket of ``numel`` elements."""
+        cuts = [i * numel // self.fragments for i in range(self.fragments + 1)]
+        return list(zip(cuts[:-1], cuts[1:]))
+
+    def offsets(self) -> list[int]:
+        """The step (1-based, mod H) at which each fragment launches: ``floor(H (i + 1) / P)``."""
+        return [self.sync_every * (i + 1) // self.fragments for i in range(self.fragments)]
+
+    # -- the algorithm ----------------------------------------------------------------------------------------
+    def init(self, flat, layout, world_size):
+        xp = namespace(flat)
+        device = array_api_compat.device(flat)
+        in_flight = flat.shape[0] if self.fragment_sync_delay else 0
+        return DiLoCoState(step=counter(xp), global_weights=xp.asarray(flat, copy=True),
+                           momentum=xp.zeros_like(flat), pending=xp.zeros((in_flight,), dtype=flat.dtype, device=device))
+
+    def wire_bytes(self, layout, itemsize, world_size):
+        n = layout.padded_numel
+        if self.bits == 32:
+            per_sync = ring_allreduce_bytes(n, itemsize, world_size)
+        else:  # alltoall + allgather of each fragment's rank chunks, each with its 8-byte min/max
+            per_sync = 2 * (world_size - 1) * (n * self.bits / 8 / world_size + 8 * self.fragments)
+        return per_sync / self.sync_every
+
+    def reduce(self, flat, layout, state, comm):
+        xp = namespace(flat)
+        step = state.step + 1
+        bounds = self.fragment_bounds(flat.shape[0])
+        two_level = hierarchical(self.hierarchical, comm)
+        tau = self.fragment_sync_delay
+        operand = (flat, state.global_weights, state.momentum, state.pending)
+        launch = self._due(xp, step, 0)
+        if tau == 0:
+            branches = [self._sync_now(a, b, comm, two_level) for a, b in bounds]
+            flat, global_weights, momentum, pending = comm.switch(launch, branches + [_unchanged], operand)
+        else:
+            land = self._due(xp, step, tau)
+            branches = [self._launch(a, b, comm, two_level) for a, b in bounds]
+            operand = comm.switch(launch, branches + [_unchanged], operand)
+            branches = [self._land(a, b) for a, b in bounds]
+            flat, global_weights, momentum, pending = comm.switch(land, branches + [_unchanged], operand)
+        return flat, DiLoCoState(step, global_weights, momentum, pending)
+
+    def _due(self, xp, step, delay: int):
+        """The fragment launched ``delay`` steps before ``step`` (a traced int32), or P where none was."""
+        due = xp.asarray(self.fragments, dtype=xp.int32)
+        for i, o in enumerate(self.offsets()):
+            since = step - o - delay  # >= 0: launched at least once
+            hit = xp.logical_and(since >= 0, since % self.sync_every == 0)
+            due = xp.where(hit, xp.asarray(i, dtype=xp.int32), due)
+        return due
+
+    def _average(self, pseudo, comm, two_level: bool):
+        """The workers' mean pseudo-gradient (``bits`` on the wire), identical on every rank."""
+        def exchange(x, c):
+            if self.bits == 32:
+                return c.allreduce(x, ReduceOp.AVG)
+            xp = namespace(x)
+            shape = x.shape
+            x = xp.reshape(x, (-1,))
+            multiple = c.size * (2 if self.bits == 4 else 1)
+            pad = -x.shape[0] % multiple
+            if pad:
+                x = xp.concat([x, xp.zeros((pad,), dtype=x.dtype, device=array_api_compat.device(x))])
+            out = compressed_allreduce(x, c, True, bits=self.bits)
+            return xp.reshape(out[:out.shape[0] - pad] if pad else out, shape)
+
+        if two_level:
+            return over_nodes(pseudo, comm, exchange)
+        return exchange(pseudo, comm)
+
+    def _outer(self, g, global_weights, momentum):
+        """torch.optim.SGD's step (no dampening, no weight decay) on ``global_weights`` with gradient ``g``."""
+        momentum = momentum * self.outer_momentum + g
+        direction = g + momentum * self.outer_momentum if self.nesterov else momentum
+        return global_weights - direction * self.outer_lr, momentum
+
+    def _landed(self, local, new_global):
+        if self.fragment_update_alpha == 0.0:
+            return new_global
+        return new_global + (local - new_global) * self.fragment_update_alpha
+
+    def _sync_now(self, a: int, b: int, comm, two_level: bool):
+        def branch(operand):
+            flat, global_weights, momentum, pending = operand
+            g = self._average(global_weights[a:b] - flat[a:b], comm, two_level)
+            new_global, new_momentum = self._outer(g, global_weights[a:b], momentum[a:b])
+            return (_put(flat, a, b, self._landed(flat[a:b], new_global)), _put(global_weights, a, b, new_global),
+                    _put(momentum, a, b, new_momentum), pending)
+        return branch
+
+    def _launch(self, a: int, b: int, comm, two_level: bool):
+        def branch(operand):
+            flat, global_weights, momentum, pending = operand
+            g = self._average(global_weights[a:b] - flat[a:b], comm, two_level)
+            return flat, global_weights, momentum, _put(pending, a, b, g)
+        return branch
+
+    def _land(self, a: int, b: int):
+        def branch(operand):
+            flat, global_weights, momentum, pending = operand
+            new_global, new_momentum = self._outer(pending[a:b], global_weights[a:b], momentum[a:b])
+            return (_put(flat, a, b, self._landed(flat[a:b], new_global)), _put(global_weights, a, b, new_global),
+                    _put(momentum, a, b, new_momentum), pending)
+        return branch
+
+
+def _unchanged(operand):
+    return operand
+
+
+def _put(x, a: int, b: int, value):
+    """``x`` with ``[a:b]`` replaced by ``value``: a new array (JAX's are immutable, and a branch must not
+    write a buffer another branch's caller still reads)."""
+    xp = namespace(x)
+    return xp.concat([x[:a], xp.astype(value, x.dtype), x[b:]])
