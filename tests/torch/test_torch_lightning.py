@@ -72,7 +72,9 @@ def test_every_algorithm_trains(tmp_path):
         apart = max_diff(ranks[0][name]["params"], ranks[1][name]["params"])
         if name in ("ByteGrad", "QAdam", "ModelAverage"):  # ModelAverage(period=4): 44 steps end on an average
             assert apart == 0.0, f"{name}: ranks differ by {apart}"
-        else:  # decentralized and asynchronous averaging keep ranks close, not equal
+        elif name == "AsyncModelAverage":  # averages on a clock: how many rounds land in 44 steps depends on load
+            assert 0 < apart < local, f"{name}: ranks {apart} apart, {local} without averaging"  # = local if none
+        else:  # decentralized averaging each step keeps ranks close, not equal
             assert 0 < apart < 0.5 * local, f"{name}: ranks {apart} apart, {local} without averaging"
 
 
