@@ -19,7 +19,7 @@ class Float16AllReduce(Algorithm):
 
     Each rank divides its gradient by the number of ranks before the cast, so the float16 sum of N
     ranks stays as far from float16's largest value (65504) as one rank's gradient.  No hyperparameters,
-    no state: ``init`` is the base class's (``{}``).
+    no state: ``init`` is the base class's (``EmptyState()``).
     """
 
     def reduce(self, flat, layout, state, comm):

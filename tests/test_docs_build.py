@@ -5,6 +5,7 @@ counts (``--quiet`` hides them, and the build then passes whatever they say)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,11 @@ def test_a_broken_link_fails_the_strict_build(tmp_path):
     root = _site_copy(tmp_path)
     clean = _build(root)
     assert clean.returncode == 0, clean.stderr[-2000:]
+    pages = list((root / "site").rglob("*.html"))
+    assert len(pages) > 10
+    raw = {str(p.relative_to(root)): m for p in pages
+           if (m := re.findall(r":(?:class|meth|func|attr|mod|exc):<code>[^<]*", p.read_text()))}
+    assert not raw, f"Sphinx roles left as text on the site: {raw}"  # docs/hooks/rest_roles.py renders them
     with open(root / "docs" / "index.md", "a") as f:
         f.write("\nSee [the missing page](no-such-page.md).\n")
     broken = _build(root)

@@ -28,10 +28,10 @@ from typing import Any, Callable, NamedTuple, Optional
 import array_api_compat
 
 from ..core.bucket import BucketLayout
-from ..core.comm import Feature, ReduceOp
+from ..core.comm import Communicator, Feature, ReduceOp
 from ..core.errors import BaguaXError
 
-__all__ = ["Target", "Phase", "Algorithm", "EmptyState", "state_from_dict", "namespace", "counter", "every",
+__all__ = ["Target", "Phase", "Algorithm", "EmptyState", "initial_state", "state_from_dict", "namespace", "counter", "every",
            "ring_allreduce_bytes", "compressed_bytes",
            "NodeAware", "hierarchical", "two_level_on", "over_nodes"]
 
@@ -51,6 +51,23 @@ class Phase(enum.Enum):
 
 class EmptyState(NamedTuple):
     """The state of a stateless algorithm (optax's ``EmptyState``)."""
+
+
+def initial_state(algorithm: "Algorithm", flat, layout: BucketLayout, world_size: int) -> NamedTuple:
+    """``algorithm.init`` of one bucket, refused at once unless it is a ``NamedTuple``.
+
+    Frontends build every state through here: a dict (or list) would train, then fail
+    at the first checkpoint (torch saves ``_asdict()``) far from its cause.
+    """
+    state = algorithm.init(flat, layout, world_size)
+    if not (isinstance(state, tuple) and hasattr(type(state), "_fields")):
+        name = type(algorithm).__name__
+        raise BaguaXError(
+            f"{name}.init returned a {type(state).__name__} for the bucket of {layout.names}; an algorithm's "
+            f"state must be a typing.NamedTuple of arrays (class {name}State(NamedTuple): ...; a stateless one "
+            "returns EmptyState()), so that torch can checkpoint it and JAX can trace it"
+        )
+    return state
 
 
 def state_from_dict(template: NamedTuple, saved: dict, where: str) -> NamedTuple:
@@ -119,7 +136,22 @@ class Algorithm:
         """Per-bucket state, built from the bucket's initial flat buffer."""
         return EmptyState()
 
-    def reduce(self, flat, layout: BucketLayout, state: NamedTuple, comm) -> tuple[Any, NamedTuple]:
+    def reduce(self, flat: Any, layout: BucketLayout, state: NamedTuple, comm: Communicator
+               ) -> tuple[Any, NamedTuple]:
+        """One bucket's communication: ``(new_flat, new_state)`` from ``flat`` and the bucket's ``state``.
+
+        Args:
+            flat: the bucket's 1-D buffer of ``target`` values (gradients, weights or momenta) laid out as
+                ``layout``: numpy in tests, a torch tensor, or a traced JAX array.  Math goes through
+                :func:`namespace` (the Array API), so one code serves all three.
+            layout: each tensor's name, shape and offset in ``flat`` (padding at the end).
+            state: this bucket's state, as :meth:`init` or the previous call returned it.
+            comm: a :class:`~bagua_x.core.Communicator`; every rank must make the same collectives in the
+                same order with the same shapes (branch with ``comm.switch`` on state, never on values).
+
+        Returns:
+            The communicated buffer (same shape and dtype as ``flat``) and the new state (same type).
+        """
         raise NotImplementedError
 
     def split_state(self, state: NamedTuple, layout: BucketLayout) -> list[NamedTuple]:

@@ -60,16 +60,32 @@ class Communicator(Protocol):
     def features(self) -> frozenset[Feature]:
         """The optional operations this communicator offers (see :class:`Feature`)."""
 
-    def allreduce(self, x, op: ReduceOp = ReduceOp.SUM): ...
+    def allreduce(self, x, op: ReduceOp = ReduceOp.SUM):
+        """``x`` reduced with ``op`` over every rank, the same shape and dtype on each.
 
-    def allgather(self, x): ...
+        Every rank must call it with the same shape, dtype and ``op``; ``AVG`` divides the sum by ``size``.
+        """
 
-    def alltoall(self, x): ...
+    def allgather(self, x):
+        """Every rank's ``x`` stacked: shape ``(size, *x.shape)``, row ``i`` from rank ``i``."""
 
-    def reduce_scatter(self, x, op: ReduceOp = ReduceOp.SUM): ...
+    def alltoall(self, x):
+        """Rows exchanged: ``x.shape[0] == size``; row ``j`` of ``x`` goes to rank ``j``, and row ``i`` of the
+        result came from rank ``i`` (the first half of a reduce-scatter that compresses in between)."""
 
-    def broadcast(self, x, root: int = 0): ...
+    def reduce_scatter(self, x, op: ReduceOp = ReduceOp.SUM):
+        """Row ``rank`` of ``x`` reduced with ``op`` over every rank: ``x.shape[0] == size``, the result has
+        shape ``x.shape[1:]``."""
 
-    def permute(self, x, pairs: Sequence[tuple[int, int]]): ...
+    def broadcast(self, x, root: int = 0):
+        """Rank ``root``'s ``x`` on every rank (the others' ``x`` gives only the shape and dtype)."""
 
-    def switch(self, index, branches: Sequence[Callable[[Any], Any]], operand): ...
+    def permute(self, x, pairs: Sequence[tuple[int, int]]):
+        """Point to point: each rank gets the ``x`` of the rank that names it as destination in ``pairs``
+        (static ``(src, dst)`` tuples, the same on every rank), zeros where none does."""
+
+    def switch(self, index, branches: Sequence[Callable[[Any], Any]], operand):
+        """``branches[index](operand)``: the step-dependent control flow of an algorithm that acts every k-th
+        step or rotates peers.  Not a collective; ``lax.switch`` where ``index`` is traced (every branch is
+        traced, so each must return the same shapes and dtypes), a plain call elsewhere.  Every rank must
+        take the same branch, or pair its collectives with another's."""

@@ -53,6 +53,7 @@ import numpy as np
 from jax import lax
 
 from ..algorithms import Algorithm
+from ..algorithms.base import initial_state
 from ..core.autotune import StepTrial, choose_form
 from ..core.bucket import BucketLayout
 from ..core.comm import Feature, ReduceOp
@@ -165,7 +166,7 @@ def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, 
         def restart(operand):
             (x, *rest), _ = operand
             x = flat.allreduce(x, ReduceOp.AVG).astype(x.dtype)
-            return (x, *rest), algorithm.init(x, layout, comm.size)
+            return (x, *rest), initial_state(algorithm, x, layout, comm.size)
 
         args, inner = lax.cond(code & RESTART != 0, restart, lambda operand: operand, (args, inner))
     if Feature.HIERARCHICAL not in comm.features:  # shard_map, or the axis does not split into nodes: flat only
@@ -318,8 +319,8 @@ def _timing(algorithm: Algorithm, layouts: Sequence[BucketLayout], axis_name, lo
     devices, world = jax.local_device_count(), jax.device_count()
     per_device = lambda a: np.broadcast_to(np.asarray(a), (devices, *np.shape(a)))  # noqa: E731
     flats = [np.zeros((devices, lay.padded_numel), lay.dtype) for lay in layouts]
-    states = [jax.tree.map(per_device, algorithm.init(jnp.zeros((lay.padded_numel,), lay.dtype), lay, world))
-              for lay in layouts]
+    states = [jax.tree.map(per_device, initial_state(algorithm, jnp.zeros((lay.padded_numel,), lay.dtype), lay,
+                                                     world)) for lay in layouts]
 
     def program(two_level: bool):
         def body(flats, states):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..algorithms import Algorithm, EmptyState, GradientAllReduce, Phase, Target
+from ..algorithms.base import initial_state
 from ..core.bucket import BucketLayout, plan_buckets
 from ..core.comm import Feature
 from ..core.errors import BaguaXError
@@ -172,7 +173,7 @@ class DataParallel:
         else:
             leaves = self._leaves(self._initial if params is None else params, "init_state")
         return with_form(tuple(
-            self.algorithm.init(layout.pack([leaves[i] for i in bucket], xp=jnp), layout, self.world_size)
+            initial_state(self.algorithm, layout.pack([leaves[i] for i in bucket], xp=jnp), layout, self.world_size)
             for bucket, layout in zip(self.bucket_leaves, self.layouts)
         ), self._forms)
 
@@ -239,7 +240,8 @@ class DataParallel:
         def init(params):
             leaves = self._leaves(params, "optimizer init")
             return with_form(tuple(
-                algorithm.init(jnp.zeros((layout.padded_numel,), leaves[bucket[0]].dtype), layout, self.world_size)
+                initial_state(algorithm, jnp.zeros((layout.padded_numel,), leaves[bucket[0]].dtype), layout,
+                              self.world_size)
                 for bucket, layout in zip(self.bucket_leaves, self.layouts)
             ), self._forms)
 

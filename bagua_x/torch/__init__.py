@@ -49,8 +49,8 @@ Inside stock DDP: ``ddp.register_comm_hook(CommHookState(ByteGrad()), comm_hook)
 runs a gradient algorithm as DDP's communication hook (:mod:`bagua_x.torch.integrations.comm_hook`).
 
 Lightning: ``Trainer(strategy=BaguaXStrategy(algorithm=ByteGrad()))`` with
-``from bagua_x.torch.integrations.lightning import BaguaXStrategy`` (the
-``[lightning]`` extra; not imported here, so torch users need no Lightning).
+``from bagua_x.torch import BaguaXStrategy`` (the ``[lightning]`` extra; imported
+on first use of the name, so torch users need no Lightning).
 
 ``bagua_x.torch.enable_bagua_api()`` adds Bagua's tensor methods
 (``ensure_bagua_tensor`` ...) to ``torch.Tensor``; see :mod:`bagua_x.torch.integrations.bagua_compat`.
@@ -66,4 +66,13 @@ from .wrap import DistributedModel, wrap
 kernels.install()
 
 __all__ = ["wrap", "DistributedModel", "TorchCommunicator", "QAdamOptimizer", "enable_bagua_api",
-           "CommHookState", "comm_hook"]
+           "CommHookState", "comm_hook", "BaguaXStrategy"]
+
+
+def __getattr__(name: str):
+    """``BaguaXStrategy`` imported when first asked for: importing bagua_x.torch must not need Lightning."""
+    if name == "BaguaXStrategy":
+        from .integrations.lightning import BaguaXStrategy
+
+        return BaguaXStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,3 +35,21 @@ def test_pmap_steps_with_the_float16_mean():
             moved = np.asarray(params[name]) - np.asarray(new[name][device])
             assert np.all(np.abs(moved - 0.1 * local.mean(axis=0)) <= 0.1 * bound + 1e-7)
         assert not np.allclose(moved, 0.1 * local[-1], atol=1e-6)  # the mean, not the device's own gradient
+
+
+def test_a_dict_state_is_refused_at_init():
+    """A state that is not a NamedTuple would be traced, then fail at the first torch-style checkpoint."""
+    import dataclasses
+
+    import pytest
+
+    from bagua_x.core import BaguaXError
+
+    @dataclasses.dataclass(frozen=True)
+    class DictState(Float16AllReduce):
+        def init(self, flat, layout, world_size):
+            return {"residual": flat * 0}
+
+    dp = bxj.wrap({"w": jnp.ones((3, 2))}, algorithm=DictState(), axis_name="batch")
+    with pytest.raises(BaguaXError, match=r"DictState.init returned a dict .*'w'.*NamedTuple"):
+        dp.init()

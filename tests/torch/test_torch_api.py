@@ -242,3 +242,16 @@ def test_wrap_gives_the_process_group_it_initialises_its_timeout():
     assert not dist.is_initialized()
     bxt.wrap(torch.nn.Linear(4, 2), timeout=7.5)
     assert resolve_timeout(None, None) == 7.5
+
+
+def test_lightning_strategy_has_a_short_path_and_is_imported_only_when_asked():
+    import subprocess
+    import sys
+
+    probe = ("import sys, bagua_x.torch as bxt; assert 'lightning' not in sys.modules, 'imported with bagua_x.torch'; "
+             "from bagua_x.torch.integrations.lightning import BaguaXStrategy; assert bxt.BaguaXStrategy is BaguaXStrategy")
+    pytest.importorskip("lightning")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
+        bxt.NoSuchThing

@@ -35,3 +35,25 @@ def test_wrap_steps_with_the_float16_mean():
         moved = before.detach() - after.detach()
         assert torch.all((moved - 0.1 * mean).abs() <= 0.1 * bound + 1e-7)
         assert not torch.equal(moved, 0.1 * grads[rank])  # the mean, not this rank's own gradient
+
+
+@multirank(nproc=2)
+def test_a_dict_state_is_refused_at_wrap():
+    """A state that is not a NamedTuple would train, then fail at the first checkpoint far from its cause."""
+    import dataclasses
+
+    import pytest
+    import torch
+
+    import bagua_x.torch as bxt
+    from bagua_x.core import BaguaXError
+    from own_algorithm import Float16AllReduce
+
+    @dataclasses.dataclass(frozen=True)
+    class DictState(Float16AllReduce):
+        def init(self, flat, layout, world_size):
+            return {"residual": flat * 0}
+
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(BaguaXError, match=r"DictState.init returned a dict .*weight.*NamedTuple"):
+        bxt.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), algorithm=DictState())

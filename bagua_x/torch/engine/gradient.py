@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ...algorithms.base import Algorithm, Target
+from ...algorithms.base import Algorithm, Target, initial_state
 from ...core.bucket import Bucket
 from ...core.comm import ReduceOp
 from ...core.tensor import RegisteredTensor
@@ -102,7 +102,7 @@ class GradientEngine(BackwardEngine):
             bucket.buffer = None
         buckets = build_buckets(tensors, self.algorithm, self.comm.size, self._cap, "grad_bucket_",
                                 make=_grad_bucket)
-        self._set_slots(self._slots(buckets, [self.algorithm.init(b.buffer, b.layout, self.comm.size)
+        self._set_slots(self._slots(buckets, [initial_state(self.algorithm, b.buffer, b.layout, self.comm.size)
                                               for b in buckets]))
         # the hooks' fast path compares identity with these
         self._views = [t.bucket.buffer[t.offset:t.offset + t.proxy.numel()].view(t.proxy.shape)

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ...algorithms.base import Algorithm, Phase, Target
+from ...algorithms.base import Algorithm, Phase, Target, initial_state
 from ...core.bucket import Bucket
 from ...core.comm import ReduceOp
 from ...core.errors import BaguaXError
@@ -64,7 +64,8 @@ class WeightEngine(BucketedEngine):
         with torch.no_grad():
             for b in buckets:
                 b.flatten()
-            self.slots = self._slots(buckets, [algorithm.init(b.buffer, b.layout, comm.size) for b in buckets])
+            self.slots = self._slots(buckets, [initial_state(algorithm, b.buffer, b.layout, comm.size)
+                                               for b in buckets])
         self._in_flight: Optional[list[torch.Tensor]] = None
         self._hooks: Optional[BackwardHooks] = None
         self._step_hook = None
@@ -138,8 +139,8 @@ class WeightEngine(BucketedEngine):
             for slot in self.slots:
                 weights = self._weights(slot.bucket)
                 weights.copy_(self.comm.allreduce(weights.clone(), ReduceOp.AVG))
-                slot.state = keep_state_for(self.algorithm.init(weights, slot.bucket.layout, self.comm.size),
-                                            self._worker.stream)
+                fresh = initial_state(self.algorithm, weights, slot.bucket.layout, self.comm.size)
+                slot.state = keep_state_for(fresh, self._worker.stream)
 
     @staticmethod
     def _weights(bucket: Bucket) -> torch.Tensor:

@@ -63,7 +63,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ...algorithms.base import Algorithm, Phase, Target, state_from_dict
+from ...algorithms.base import Algorithm, Phase, Target, initial_state, state_from_dict
 from ...core.bucket import BucketLayout
 from ...core.comm import Feature
 from ...core.errors import BaguaXError
@@ -190,7 +190,7 @@ class CommHookState:
         if kept is not None:
             log.info("bagua_x comm hook: DDP bucket %d now holds parameters %s; their states follow them", index,
                      list(keys))
-        fresh = self.algorithm.split_state(self.algorithm.init(flat, layout, self.comm.size), layout)
+        fresh = self.algorithm.split_state(initial_state(self.algorithm, flat, layout, self.comm.size), layout)
         pieces = []
         for key, new in zip(keys, fresh):
             piece = self._loose.pop(key, new)
