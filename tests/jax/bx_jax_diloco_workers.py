@@ -1,0 +1,197 @@
+"""DiLoCo through the JAX frontend: training loops (pmap, shard_map), the independent references, and the
+multi-process worker.
+
+A DiLoCo worker is a device (or a node of devices, two levels): each runs its own optax inner optimizer on its
+own data, and ``dp.sync_params`` after every optimizer step does the outer exchange every H steps.  The
+references know nothing of bagua_x's wrap: N copies of the params, each with its own optax state, and after every
+inner step either the numpy ``DiLoCoWorkers`` on the flattened weights, or (plain DiLoCo) an optax
+``sgd(nesterov=True)`` outer step on the global copy with gradient ``global - mean(local)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import bx_jax_workers as w
+
+N = 4
+
+
+def inner_optimizer():
+    import optax
+
+    return optax.adam(1e-2)
+
+
+def _inner_step(tx):
+    import jax
+    import optax
+
+    def step(p, o, xb, yb):
+        g = jax.grad(w.loss_fn)(p, xb, yb)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    return step
+
+
+def node_grad_step(tx, node_axis=None):
+    """The inner step with gradients averaged inside the node first (``node_axis``), else the plain one."""
+    import jax
+    import optax
+
+    def step(p, o, xb, yb):
+        g = jax.grad(w.loss_fn)(p, xb, yb)
+        if node_axis is not None:
+            g = jax.lax.pmean(g, node_axis)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    return step
+
+
+def flat_of(dp, tree) -> np.ndarray:
+    """The single bucket's flat float32 vector of ``tree`` (numpy), in wrap's bucket order."""
+    import jax
+
+    (bucket,), (layout,) = dp.bucket_leaves, dp.layouts
+    leaves = [np.asarray(a, np.float32) for a in jax.tree.leaves(tree)]
+    return np.asarray(layout.pack([leaves[i] for i in bucket]))
+
+
+def tree_of(dp, flat, like):
+    import jax
+
+    (bucket,), (layout,) = dp.bucket_leaves, dp.layouts
+    leaves = [np.asarray(a) for a in jax.tree.leaves(like)]
+    for i, v in zip(bucket, layout.unpack(np.asarray(flat))):
+        leaves[i] = np.asarray(v).reshape(leaves[i].shape)
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def reference(dp, alg, params, x, y, workers: int = N, outer: str = "numpy"):
+    """Every step's per-worker weights (a list of lists of flat vectors): ``workers`` copies, worker ``k`` training
+    on the mean gradient of devices ``[k * d, (k + 1) * d)`` (d = devices per worker, 1 unless two levels).
+
+    ``outer="numpy"``: :class:`bagua_x.testing.reference.DiLoCoWorkers`; ``"optax"`` (plain DiLoCo only): an optax
+    SGD with Nesterov momentum on a global copy, gradient ``global - mean(local)``, every H steps.
+    """
+    import jax
+    import optax
+
+    from bagua_x.testing.reference import DiLoCoWorkers
+
+    tx = inner_optimizer()
+    per = x.shape[1] // workers
+    grad = jax.jit(jax.grad(w.loss_fn))
+
+    @jax.jit
+    def update(p, o, g):
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    copies, opts = [params] * workers, [tx.init(params)] * workers
+    x0 = flat_of(dp, params)
+    if outer == "numpy":
+        ref = DiLoCoWorkers(x0, workers, alg.sync_every, alg.outer_lr, alg.outer_momentum, alg.nesterov,
+                            alg.fragments, alg.fragment_sync_delay, alg.fragment_update_alpha, alg.bits)
+    else:
+        assert alg.fragments == 1 and alg.bits == 32 and alg.nesterov
+        otx = optax.sgd(alg.outer_lr, momentum=alg.outer_momentum, nesterov=True)
+        glob = x0
+        ostate = otx.init(glob)
+    history = []
+    for s in range(x.shape[0]):
+        for k in range(workers):
+            gs = [grad(copies[k], x[s, d], y[s, d]) for d in range(k * per, (k + 1) * per)]
+            g = jax.tree.map(lambda *a: sum(a[1:], a[0]) / len(a), *gs) if per > 1 else gs[0]
+            copies[k], opts[k] = update(copies[k], opts[k], g)
+        flats = [flat_of(dp, c) for c in copies]
+        if outer == "numpy":
+            flats = ref.after_step(flats)
+        elif (s + 1) % alg.sync_every == 0:
+            pseudo = glob - np.mean(np.stack(flats), axis=0)
+            u, ostate = otx.update(pseudo, ostate, glob)
+            glob = np.asarray(optax.apply_updates(glob, u))
+            flats = [glob.copy() for _ in flats]
+        copies = [tree_of(dp, f, params) for f in flats]
+        history.append(flats)
+    return history
+
+
+def _carry_pmap(dp, params, tx):
+    return dp.replicate(params), dp.replicate(tx.init(params)), dp.init()
+
+
+def diloco_pmap(dp, params, x, y, carry=None, start: int = 0, stop: int | None = None, node_axis=None):
+    """Steps ``start..stop`` under pmap; returns (every step's per-device flat weights of this process, carry).
+
+    ``node_axis``: a nested pmap over ``(nodes, devices per node)``, gradients averaged over the inner axis.
+    """
+    import jax
+
+    tx = inner_optimizer()
+    inner = node_grad_step(tx, node_axis)
+
+    def step(p, o, st, xb, yb):
+        p, o = inner(p, o, xb, yb)
+        p, st = dp.sync_params(p, st)
+        return p, o, st
+
+    carry = carry if carry is not None else _carry_pmap(dp, params, tx)
+    f = jax.pmap(step, axis_name=dp.axis_name)
+    history = []
+    for s in range(start, x.shape[0] if stop is None else stop):
+        carry = jax.block_until_ready(f(*carry, x[s], y[s]))
+        p = jax.tree.map(w._host_local, carry[0])
+        history.append([flat_of(dp, jax.tree.map(lambda a, i=i: a[i], p)) for i in range(x.shape[1])])
+    return history, carry
+
+
+def diloco_shard_map(dp, params, x, y, mesh):
+    """The same under ``jax.jit(jax.shard_map(...))`` over a 1-D mesh: params, optimizer and bagua_x state one
+    copy per device (``P(axis)``, indexed ``[0]`` inside).  Every step's per-device flat weights."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    tx, axis = inner_optimizer(), dp.axis_name
+    inner = node_grad_step(tx)
+    own = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
+    back = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
+
+    def step(p, o, st, xb, yb):
+        p, o = inner(own(p), own(o), xb[0], yb[0])
+        p, st = dp.sync_params(p, own(st))
+        return back(p), back(o), back(st)
+
+    spec = P(axis)
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
+    p, o = dp.replicate(params, mesh, per_device=True), dp.replicate(tx.init(params), mesh, per_device=True)
+    st = dp.init(mesh=mesh)
+    data = NamedSharding(mesh, spec)
+    history = []
+    for s in range(x.shape[0]):
+        xs, ys = (jax.device_put(a[s], data) for a in (x, y))
+        p, o, st = jax.block_until_ready(f(p, o, st, xs, ys))
+        host = jax.tree.map(np.asarray, p)
+        history.append([flat_of(dp, jax.tree.map(lambda a, i=i: a[i], host)) for i in range(x.shape[1])])
+    return history
+
+
+@w._multiprocess
+def diloco_worker(kw: dict, steps: int):
+    """DiLoCo over 2 processes x 2 devices under pmap: every step's weights of all 4 devices (gathered)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    import bagua_x.jax as bxj
+    from bagua_x.algorithms import DiLoCo
+
+    rank = jax.process_index()
+    params = w.make_params(0)
+    x, y = w.make_data(steps, 4)
+    dp = bxj.wrap(params, algorithm=DiLoCo(**kw))
+    history, _ = diloco_pmap(dp, params, x[:, 2 * rank:2 * rank + 2], y[:, 2 * rank:2 * rank + 2])
+    mine = np.stack([np.stack(h) for h in history])  # (steps, 2 devices, numel)
+    every = multihost_utils.process_allgather(mine[None], tiled=True)  # (2 processes, steps, 2, numel)
+    return np.concatenate([every[0], every[1]], axis=1)
