@@ -42,6 +42,7 @@ flat and ``dp.step`` runs no trial.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -58,7 +59,7 @@ from ..core.bucket import BucketLayout
 from ..core.comm import Feature, ReduceOp
 from .communicator import AxisCommunicator
 
-__all__ = ["DecidedState", "MeasuredState", "StepForms", "measured_form", "run_in_form", "with_form",
+__all__ = ["DecidedState", "MeasuredState", "StepForms", "measured_form", "run_in_form", "storable", "with_form",
            "OVER_NODES", "UNDECIDED", "RESTART"]
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,9 @@ def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, 
     ``algorithm.init`` of them.
     """
     flat = AxisCommunicator(comm.axis_name, comm.size)  # one node: no groups
+    template = jax.eval_shape(lambda x: algorithm.init(x, layout, comm.size),
+                              jax.ShapeDtypeStruct(args[0].shape, args[0].dtype))
+    fn = functools.partial(_unstored, fn, template)
     if isinstance(state, DecidedState):
         over_nodes = state.over_nodes and Feature.HIERARCHICAL in comm.features
         out, inner = fn(*args, layout, state.state, comm if over_nodes else flat)
@@ -165,7 +169,7 @@ def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, 
         def restart(operand):
             (x, *rest), _ = operand
             x = flat.allreduce(x, ReduceOp.AVG).astype(x.dtype)
-            return (x, *rest), algorithm.init(x, layout, comm.size)
+            return (x, *rest), storable(algorithm.init(x, layout, comm.size))
 
         args, inner = lax.cond(code & RESTART != 0, restart, lambda operand: operand, (args, inner))
     if Feature.HIERARCHICAL not in comm.features:  # shard_map, or the axis does not split into nodes: flat only
@@ -174,6 +178,23 @@ def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, 
         out, inner = comm.switch(code & OVER_NODES, [lambda a: fn(*a, layout, inner, flat),
                                                      lambda a: fn(*a, layout, inner, comm)], args)
     return out, MeasuredState(code & ~RESTART, inner, state.owner)
+
+
+def storable(state: Any) -> Any:
+    """``state`` with each zero-size array left out (None, an empty subtree): orbax refuses to save a
+    zero-size array, and an algorithm may hold one (DiLoCo's ``pending`` without a delay).  The step's
+    state is always in this form; :func:`run_in_form` gives the algorithm the arrays back."""
+    return jax.tree.map(lambda a: None if np.size(a) == 0 else a, state)
+
+
+def _unstored(fn: Callable, template: Any, *args) -> tuple:
+    """``fn(*flats, layout, state, comm)`` on the algorithm's whole state (``template``, the shapes of its
+    ``init``: the zero-size arrays :func:`storable` left out put back), its new state made storable again."""
+    *flats, layout, state, comm = args
+    given = iter(jax.tree.leaves(state))
+    state = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype) if np.size(t) == 0 else next(given), template)
+    out, state = fn(*flats, layout, state, comm)
+    return out, storable(state)
 
 
 _owners = itertools.count()  # StepForms.owner: one per wrap with a measured form, in this process

@@ -36,7 +36,7 @@ from ..core.validation import describe
 from .checks import FiniteCheck, check_leaf_dtype, check_registrable
 from .communicator import AxisCommunicator, default_local_size
 from .distributed import check_same_across_processes, heartbeat_timeout
-from .node_form import StepForms, measured_form, run_in_form, with_form
+from .node_form import StepForms, measured_form, run_in_form, storable, with_form
 from .placement import replicate as _replicate
 from .placement import unreplicate as _unreplicate
 from .watchdog import StepWatchdog
@@ -161,7 +161,8 @@ class DataParallel:
 
     def init_state(self, params: Any = None) -> tuple:
         """The algorithm state for one device: a tuple with one state per bucket, each the algorithm's
-        ``NamedTuple`` (``PowerSGDState``...), so a pytree (pure, jit-safe).
+        ``NamedTuple`` (``PowerSGDState``...), so a pytree (pure, jit-safe), with any zero-size array as None
+        (orbax cannot save one: :func:`~.node_form.storable`).
 
         Empty for a momentum algorithm (QAdam): its optimizer, :meth:`optimizer`, holds the state.
         """
@@ -172,7 +173,7 @@ class DataParallel:
         else:
             leaves = self._leaves(self._initial if params is None else params, "init_state")
         return with_form(tuple(
-            self.algorithm.init(layout.pack([leaves[i] for i in bucket], xp=jnp), layout, self.world_size)
+            storable(self.algorithm.init(layout.pack([leaves[i] for i in bucket], xp=jnp), layout, self.world_size))
             for bucket, layout in zip(self.bucket_leaves, self.layouts)
         ), self._forms)
 
@@ -239,7 +240,8 @@ class DataParallel:
         def init(params):
             leaves = self._leaves(params, "optimizer init")
             return with_form(tuple(
-                algorithm.init(jnp.zeros((layout.padded_numel,), leaves[bucket[0]].dtype), layout, self.world_size)
+                storable(algorithm.init(jnp.zeros((layout.padded_numel,), leaves[bucket[0]].dtype), layout,
+                                        self.world_size))
                 for bucket, layout in zip(self.bucket_leaves, self.layouts)
             ), self._forms)
 
