@@ -30,7 +30,7 @@ import numpy as np
 
 from ..algorithms import Algorithm, EmptyState, GradientAllReduce, Phase, Target
 from ..core.bucket import BucketLayout, plan_buckets
-from ..core.comm import Feature
+from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
 from ..core.validation import describe
 from .checks import FiniteCheck, check_leaf_dtype, check_registrable
@@ -189,8 +189,15 @@ class DataParallel:
     def reduce_gradients(self, grads: Any, state: tuple) -> tuple[Any, tuple]:
         """Communicate gradients with a gradient algorithm (``Target.GRAD``).
 
-        Raises for any other algorithm, naming the call that communicates for it (module docstring).
+        With a weight algorithm that declares ``averages_gradients_in_node`` (DiLoCo: where it runs over
+        nodes, a node is one worker), the gradients averaged inside the node every step, before the
+        optimizer, so a node's devices stay identical; unchanged where each device is a worker (one node
+        per device, or ``shard_map``: no node groups).  The state passes through, so the step reads the
+        same in either form.  Raises for any other algorithm, naming the call that communicates for it
+        (module docstring).
         """
+        if self.algorithm.averages_gradients_in_node:
+            return self._run(self._node_mean, [grads], state, "reduce_gradients")
         self._only_for(Target.GRAD, "dp.reduce_gradients(grads, state)")
         return self._run(self.algorithm.reduce, [grads], state, "reduce_gradients")
 
@@ -355,6 +362,13 @@ class DataParallel:
             f"{call}: {algorithm!r} communicates {algorithm.target.value}s, not {target.value}s, so this call "
             f"would communicate nothing; use {instead}"
         )
+
+    def _node_mean(self, flat, layout, state, comm):
+        """The node's mean of ``flat`` where the algorithm runs over nodes (the communicator offers node groups
+        and the algorithm uses them), else ``flat``: the gradient step of a node that is one worker."""
+        if Feature.HIERARCHICAL in self.algorithm.uses and Feature.HIERARCHICAL in comm.features:
+            flat = comm.within.allreduce(flat, ReduceOp.AVG).astype(flat.dtype)
+        return flat, state
 
     def _check_timeout(self, timeout: float) -> float:
         timeout = float(timeout)

@@ -23,29 +23,19 @@ def inner_optimizer():
     return optax.adam(1e-2)
 
 
-def _inner_step(tx):
+def inner_step(dp, tx, node_mean: bool):
+    """One device's inner step: gradient (``node_mean``: averaged inside the node, ``dp.reduce_gradients``),
+    optax update, then ``dp.sync_params`` (DiLoCo's phase: after the optimizer step)."""
     import jax
     import optax
 
-    def step(p, o, xb, yb):
+    def step(p, o, st, xb, yb):
         g = jax.grad(w.loss_fn)(p, xb, yb)
+        if node_mean:
+            g, st = dp.reduce_gradients(g, st)
         u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o
-
-    return step
-
-
-def node_grad_step(tx, node_axis=None):
-    """The inner step with gradients averaged inside the node first (``node_axis``), else the plain one."""
-    import jax
-    import optax
-
-    def step(p, o, xb, yb):
-        g = jax.grad(w.loss_fn)(p, xb, yb)
-        if node_axis is not None:
-            g = jax.lax.pmean(g, node_axis)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o
+        p, st = dp.sync_params(optax.apply_updates(p, u), st)
+        return p, o, st
 
     return step
 
@@ -119,50 +109,35 @@ def reference(dp, alg, params, x, y, workers: int = N, outer: str = "numpy"):
     return history
 
 
-def _carry_pmap(dp, params, tx):
-    return dp.replicate(params), dp.replicate(tx.init(params)), dp.init()
-
-
-def diloco_pmap(dp, params, x, y, carry=None, start: int = 0, stop: int | None = None, node_axis=None):
-    """Steps ``start..stop`` under pmap; returns (every step's per-device flat weights of this process, carry).
-
-    ``node_axis``: a nested pmap over ``(nodes, devices per node)``, gradients averaged over the inner axis.
-    """
+def diloco_pmap(dp, params, x, y, node_mean: bool = False):
+    """The steps under pmap (``node_mean``: see :func:`inner_step`); every step's per-device flat weights of this
+    process's devices."""
     import jax
 
     tx = inner_optimizer()
-    inner = node_grad_step(tx, node_axis)
-
-    def step(p, o, st, xb, yb):
-        p, o = inner(p, o, xb, yb)
-        p, st = dp.sync_params(p, st)
-        return p, o, st
-
-    carry = carry if carry is not None else _carry_pmap(dp, params, tx)
-    f = jax.pmap(step, axis_name=dp.axis_name)
+    carry = dp.replicate(params), dp.replicate(tx.init(params)), dp.init()
+    f = jax.pmap(inner_step(dp, tx, node_mean), axis_name=dp.axis_name)
     history = []
-    for s in range(start, x.shape[0] if stop is None else stop):
+    for s in range(x.shape[0]):
         carry = jax.block_until_ready(f(*carry, x[s], y[s]))
         p = jax.tree.map(w._host_local, carry[0])
         history.append([flat_of(dp, jax.tree.map(lambda a, i=i: a[i], p)) for i in range(x.shape[1])])
-    return history, carry
+    return history
 
 
-def diloco_shard_map(dp, params, x, y, mesh):
+def diloco_shard_map(dp, params, x, y, mesh, node_mean: bool = False):
     """The same under ``jax.jit(jax.shard_map(...))`` over a 1-D mesh: params, optimizer and bagua_x state one
     copy per device (``P(axis)``, indexed ``[0]`` inside).  Every step's per-device flat weights."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     tx, axis = inner_optimizer(), dp.axis_name
-    inner = node_grad_step(tx)
+    inner = inner_step(dp, tx, node_mean)
     own = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
     back = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
 
     def step(p, o, st, xb, yb):
-        p, o = inner(own(p), own(o), xb[0], yb[0])
-        p, st = dp.sync_params(p, own(st))
-        return back(p), back(o), back(st)
+        return back(inner(own(p), own(o), own(st), xb[0], yb[0]))
 
     spec = P(axis)
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
@@ -179,8 +154,10 @@ def diloco_shard_map(dp, params, x, y, mesh):
 
 
 @w._multiprocess
-def diloco_worker(kw: dict, steps: int):
-    """DiLoCo over 2 processes x 2 devices under pmap: every step's weights of all 4 devices (gathered)."""
+def diloco_worker(cases: dict, steps: int):
+    """DiLoCo over 2 processes x 2 devices under pmap (LOCAL_WORLD_SIZE=1: a process is a node of 2 devices),
+    gradients through ``dp.reduce_gradients``: per case, every step's weights of all 4 devices, gathered
+    (``(steps, 4, numel)``)."""
     import jax
     from jax.experimental import multihost_utils
 
@@ -190,8 +167,11 @@ def diloco_worker(kw: dict, steps: int):
     rank = jax.process_index()
     params = w.make_params(0)
     x, y = w.make_data(steps, 4)
-    dp = bxj.wrap(params, algorithm=DiLoCo(**kw))
-    history, _ = diloco_pmap(dp, params, x[:, 2 * rank:2 * rank + 2], y[:, 2 * rank:2 * rank + 2])
-    mine = np.stack([np.stack(h) for h in history])  # (steps, 2 devices, numel)
-    every = multihost_utils.process_allgather(mine[None], tiled=True)  # (2 processes, steps, 2, numel)
-    return np.concatenate([every[0], every[1]], axis=1)
+    out = {}
+    for name, kw in cases.items():
+        dp = bxj.wrap(params, algorithm=DiLoCo(**kw))
+        history = diloco_pmap(dp, params, x[:, 2 * rank:2 * rank + 2], y[:, 2 * rank:2 * rank + 2], node_mean=True)
+        mine = np.stack([np.stack(h) for h in history])  # (steps, 2 devices, numel)
+        every = np.asarray(multihost_utils.process_allgather(mine[None], tiled=True))  # (2 processes, steps, 2, numel)
+        out[name] = np.concatenate([every[0], every[1]], axis=1)
+    return out

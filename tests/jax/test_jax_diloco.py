@@ -50,7 +50,7 @@ def test_matches_numpy_reference(setup, kw, mode):
     alg = DiLoCo(**kw)
     dp = wrap(params, algorithm=alg)
     if mode == "pmap":
-        got, _ = dw.diloco_pmap(dp, params, x, y)
+        got = dw.diloco_pmap(dp, params, x, y)
     else:
         got = dw.diloco_shard_map(dp, params, x, y, jax.make_mesh((N,), ("batch",)))
     want = dw.reference(dp, alg, params, x, y)
@@ -64,7 +64,7 @@ def test_plain_diloco_matches_optax_outer_nesterov(setup):
     params, x, y = setup
     alg = DiLoCo(**PLAIN)
     dp = wrap(params, algorithm=alg)
-    got, _ = dw.diloco_pmap(dp, params, x, y)
+    got = dw.diloco_pmap(dp, params, x, y)
     assert_history_close(got, dw.reference(dp, alg, params, x, y, outer="optax"), atol=1e-6)
 
 
@@ -74,7 +74,7 @@ def test_quantised_within_a_step_of_the_reference(setup, kw, bits):
     params, x, y = setup
     alg = DiLoCo(bits=bits, **kw)
     dp = wrap(params, algorithm=alg)
-    got, _ = dw.diloco_pmap(dp, params, x, y)
+    got = dw.diloco_pmap(dp, params, x, y)
     want = dw.reference(dp, alg, params, x, y)
     exact = dw.reference(dp, DiLoCo(**kw), params, x, y)
     first_sync = min(alg.offsets()) + alg.fragment_sync_delay - 1
@@ -162,3 +162,63 @@ def test_orbax_resume_mid_h_is_bitwise_identical(name, tmp_path):
     _, fresh = interrupted(alg, str(tmp_path / "control"), total, stop, ("params", "opt_state"))
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(full["params"]),
                                                           jax.tree.leaves(fresh["params"])))
+
+
+@pytest.mark.parametrize("kw", [PLAIN, STREAMING], ids=["diloco", "streaming"])
+def test_two_levels_a_node_is_one_worker(setup, kw):
+    """4 devices as 2 nodes x 2 (pmap, devices_per_node=2), gradients through ``dp.reduce_gradients``: a 2-worker
+    DiLoCo whose gradient is the node's mean; both devices of a node bitwise identical at every step."""
+    params, x, y = setup
+    alg = DiLoCo(**kw)
+    dp = wrap(params, algorithm=alg, devices_per_node=2)
+    got = dw.diloco_pmap(dp, params, x, y, node_mean=True)
+    want = dw.reference(dp, alg, params, x, y, workers=2)
+    for s in range(STEPS):
+        for d in range(N):
+            np.testing.assert_array_equal(got[s][d], got[s][d // 2 * 2], err_msg=f"step {s + 1}, device {d}")
+            np.testing.assert_allclose(got[s][d], want[s][d // 2], rtol=0, atol=1e-6, err_msg=f"step {s + 1}")
+    assert any(not np.array_equal(h[0], h[2]) for h in got)  # the two nodes drift apart between syncs
+
+
+def test_reduce_gradients_without_node_groups_is_the_flat_form(setup):
+    """Under shard_map (no node groups) each device is a worker: ``dp.reduce_gradients`` leaves the gradients
+    alone, so the same step code gives the 4-worker reference."""
+    params, x, y = setup
+    alg = DiLoCo(**PLAIN)
+    dp = wrap(params, algorithm=alg, devices_per_node=2)
+    got = dw.diloco_shard_map(dp, params, x, y, jax.make_mesh((N,), ("batch",)), node_mean=True)
+    assert_history_close(got, dw.reference(dp, alg, params, x, y), atol=1e-6)
+
+
+def test_reduce_gradients_still_refuses_other_weight_algorithms():
+    from bagua_x.algorithms import ModelAverage
+    from bagua_x.core import BaguaXError
+
+    dp = wrap(w.make_params(0), algorithm=ModelAverage(period=2))
+    with pytest.raises(BaguaXError, match="sync_params"):
+        jax.pmap(lambda g: dp.reduce_gradients(g, ())[0], axis_name="batch")(dp.replicate(w.make_params(0)))
+
+
+def test_two_processes(tmp_path):
+    """2 processes x 2 devices (gloo), each process a node: flat (hierarchical=False, 4 workers) and two levels
+    (the default: 2 workers, gradients averaged inside each process) against the single-process references."""
+    import os
+
+    from launch import run_workers
+
+    cases = {"flat": dict(hierarchical=False, **STREAMING), "nodes": dict(PLAIN)}
+    env = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__)),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "LOCAL_WORLD_SIZE": "1"}  # one process per host, as on two machines
+    results = run_workers("bx_jax_diloco_workers:diloco_worker", nproc=2, args=(cases, STEPS), timeout=240, env=env)
+    assert len(results) == 2
+    params, x, y = w.make_params(0), *w.make_data(STEPS, N)
+    dp = wrap(params)  # only for the flat order of the leaves
+    want = {"flat": dw.reference(dp, DiLoCo(**cases["flat"]), params, x, y),
+            "nodes": dw.reference(dp, DiLoCo(**cases["nodes"]), params, x, y, workers=2)}
+    for got in results:
+        for s in range(STEPS):
+            for d in range(N):
+                np.testing.assert_allclose(got["flat"][s][d], want["flat"][s][d], rtol=0, atol=1e-6)
+                np.testing.assert_allclose(got["nodes"][s][d], want["nodes"][s][d // 2], rtol=0, atol=1e-6)
+                np.testing.assert_array_equal(got["nodes"][s][d], got["nodes"][s][d // 2 * 2])
