@@ -15,7 +15,9 @@ whose ``target`` it is made for -- ``reduce_gradients`` and
 ``gradient_transformation`` for gradients, ``sync_params`` for weights,
 ``optimizer`` for the momentum (QAdam) -- and raises a BaguaXError naming the
 call that does communicate for any other, so a step can never silently skip
-the communication (a call that passed the tree through unchanged would).
+the communication (a call that passed the tree through unchanged would).  The
+one exception: ``reduce_gradients`` with a weight algorithm that declares
+``averages_gradients_in_node`` (DiLoCo) averages the gradients inside the node.
 """
 
 from __future__ import annotations
