@@ -155,9 +155,7 @@ def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, 
     ``algorithm.init`` of them.
     """
     flat = AxisCommunicator(comm.axis_name, comm.size)  # one node: no groups
-    template = jax.eval_shape(lambda x: algorithm.init(x, layout, comm.size),
-                              jax.ShapeDtypeStruct(args[0].shape, args[0].dtype))
-    fn = functools.partial(_unstored, fn, template)
+    fn = functools.partial(_unstored, fn, algorithm)
     if isinstance(state, DecidedState):
         over_nodes = state.over_nodes and Feature.HIERARCHICAL in comm.features
         out, inner = fn(*args, layout, state.state, comm if over_nodes else flat)
@@ -187,12 +185,15 @@ def storable(state: Any) -> Any:
     return jax.tree.map(lambda a: None if np.size(a) == 0 else a, state)
 
 
-def _unstored(fn: Callable, template: Any, *args) -> tuple:
-    """``fn(*flats, layout, state, comm)`` on the algorithm's whole state (``template``, the shapes of its
-    ``init``: the zero-size arrays :func:`storable` left out put back), its new state made storable again."""
+def _unstored(fn: Callable, algorithm: Algorithm, *args) -> tuple:
+    """``fn(*flats, layout, state, comm)`` on the algorithm's whole state (where :func:`storable` left arrays
+    out, those of its ``init``'s shapes put back), its new state made storable again."""
     *flats, layout, state, comm = args
-    given = iter(jax.tree.leaves(state))
-    state = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype) if np.size(t) == 0 else next(given), template)
+    if any(x is None for x in jax.tree.leaves(state, is_leaf=lambda x: x is None)):
+        template = jax.eval_shape(lambda x: algorithm.init(x, layout, comm.size),
+                                  jax.ShapeDtypeStruct(flats[0].shape, flats[0].dtype))
+        given = iter(jax.tree.leaves(state))
+        state = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype) if np.size(t) == 0 else next(given), template)
     out, state = fn(*flats, layout, state, comm)
     return out, storable(state)
 
