@@ -31,7 +31,8 @@ from ..core.bucket import BucketLayout
 from ..core.comm import Communicator, Feature, ReduceOp
 from ..core.errors import BaguaXError
 
-__all__ = ["Target", "Phase", "Algorithm", "EmptyState", "initial_state", "state_from_dict", "namespace", "counter", "every",
+__all__ = ["Target", "Phase", "Algorithm", "EmptyState", "initial_state", "state_from_dict", "namespace", "counter",
+           "every",
            "ring_allreduce_bytes", "compressed_bytes",
            "NodeAware", "hierarchical", "two_level_on", "over_nodes"]
 

@@ -42,6 +42,7 @@ flat and ``dp.step`` runs no trial.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -59,7 +60,7 @@ from ..core.bucket import BucketLayout
 from ..core.comm import Feature, ReduceOp
 from .communicator import AxisCommunicator
 
-__all__ = ["DecidedState", "MeasuredState", "StepForms", "measured_form", "run_in_form", "with_form",
+__all__ = ["DecidedState", "MeasuredState", "StepForms", "measured_form", "run_in_form", "storable", "with_form",
            "OVER_NODES", "UNDECIDED", "RESTART"]
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,7 @@ def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, 
     ``algorithm.init`` of them.
     """
     flat = AxisCommunicator(comm.axis_name, comm.size)  # one node: no groups
+    fn = functools.partial(_unstored, fn, algorithm)
     if isinstance(state, DecidedState):
         over_nodes = state.over_nodes and Feature.HIERARCHICAL in comm.features
         out, inner = fn(*args, layout, state.state, comm if over_nodes else flat)
@@ -166,7 +168,7 @@ def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, 
         def restart(operand):
             (x, *rest), _ = operand
             x = flat.allreduce(x, ReduceOp.AVG).astype(x.dtype)
-            return (x, *rest), initial_state(algorithm, x, layout, comm.size)
+            return (x, *rest), storable(initial_state(algorithm, x, layout, comm.size))
 
         args, inner = lax.cond(code & RESTART != 0, restart, lambda operand: operand, (args, inner))
     if Feature.HIERARCHICAL not in comm.features:  # shard_map, or the axis does not split into nodes: flat only
@@ -175,6 +177,26 @@ def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, 
         out, inner = comm.switch(code & OVER_NODES, [lambda a: fn(*a, layout, inner, flat),
                                                      lambda a: fn(*a, layout, inner, comm)], args)
     return out, MeasuredState(code & ~RESTART, inner, state.owner)
+
+
+def storable(state: Any) -> Any:
+    """``state`` with each zero-size array left out (None, an empty subtree): orbax refuses to save a
+    zero-size array, and an algorithm may hold one (DiLoCo's ``pending`` without a delay).  The step's
+    state is always in this form; :func:`run_in_form` gives the algorithm the arrays back."""
+    return jax.tree.map(lambda a: None if np.size(a) == 0 else a, state)
+
+
+def _unstored(fn: Callable, algorithm: Algorithm, *args) -> tuple:
+    """``fn(*flats, layout, state, comm)`` on the algorithm's whole state (where :func:`storable` left arrays
+    out, those of its ``init``'s shapes put back), its new state made storable again."""
+    *flats, layout, state, comm = args
+    if any(x is None for x in jax.tree.leaves(state, is_leaf=lambda x: x is None)):
+        template = jax.eval_shape(lambda x: algorithm.init(x, layout, comm.size),
+                                  jax.ShapeDtypeStruct(flats[0].shape, flats[0].dtype))
+        given = iter(jax.tree.leaves(state))
+        state = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype) if np.size(t) == 0 else next(given), template)
+    out, state = fn(*flats, layout, state, comm)
+    return out, storable(state)
 
 
 _owners = itertools.count()  # StepForms.owner: one per wrap with a measured form, in this process

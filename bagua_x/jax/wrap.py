@@ -15,7 +15,9 @@ whose ``target`` it is made for -- ``reduce_gradients`` and
 ``gradient_transformation`` for gradients, ``sync_params`` for weights,
 ``optimizer`` for the momentum (QAdam) -- and raises a BaguaXError naming the
 call that does communicate for any other, so a step can never silently skip
-the communication (a call that passed the tree through unchanged would).
+the communication (a call that passed the tree through unchanged would).  The
+one exception: ``reduce_gradients`` with a weight algorithm that declares
+``averages_gradients_in_node`` (DiLoCo) averages the gradients inside the node.
 """
 
 from __future__ import annotations
@@ -31,13 +33,13 @@ import numpy as np
 from ..algorithms import Algorithm, EmptyState, GradientAllReduce, Phase, Target
 from ..algorithms.base import initial_state
 from ..core.bucket import BucketLayout, plan_buckets
-from ..core.comm import Feature
+from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
 from ..core.validation import describe
 from .checks import FiniteCheck, check_leaf_dtype, check_registrable
 from .communicator import AxisCommunicator, default_local_size
 from .distributed import check_same_across_processes, heartbeat_timeout
-from .node_form import StepForms, measured_form, run_in_form, with_form
+from .node_form import StepForms, measured_form, run_in_form, storable, with_form
 from .placement import replicate as _replicate
 from .placement import unreplicate as _unreplicate
 from .watchdog import StepWatchdog
@@ -162,7 +164,8 @@ class DataParallel:
 
     def init_state(self, params: Any = None) -> tuple:
         """The algorithm state for one device: a tuple with one state per bucket, each the algorithm's
-        ``NamedTuple`` (``PowerSGDState``...), so a pytree (pure, jit-safe).
+        ``NamedTuple`` (``PowerSGDState``...), so a pytree (pure, jit-safe), with any zero-size array as None
+        (orbax cannot save one: :func:`~.node_form.storable`).
 
         Empty for a momentum algorithm (QAdam): its optimizer, :meth:`optimizer`, holds the state.
         """
@@ -173,7 +176,8 @@ class DataParallel:
         else:
             leaves = self._leaves(self._initial if params is None else params, "init_state")
         return with_form(tuple(
-            initial_state(self.algorithm, layout.pack([leaves[i] for i in bucket], xp=jnp), layout, self.world_size)
+            storable(initial_state(self.algorithm, layout.pack([leaves[i] for i in bucket], xp=jnp), layout,
+                                   self.world_size))
             for bucket, layout in zip(self.bucket_leaves, self.layouts)
         ), self._forms)
 
@@ -189,8 +193,15 @@ class DataParallel:
     def reduce_gradients(self, grads: Any, state: tuple) -> tuple[Any, tuple]:
         """Communicate gradients with a gradient algorithm (``Target.GRAD``).
 
-        Raises for any other algorithm, naming the call that communicates for it (module docstring).
+        With a weight algorithm that declares ``averages_gradients_in_node`` (DiLoCo: where it runs over
+        nodes, a node is one worker), the gradients averaged inside the node every step, before the
+        optimizer, so a node's devices stay identical; unchanged where each device is a worker (one node
+        per device, or ``shard_map``: no node groups).  The state passes through, so the step reads the
+        same in either form.  Raises for any other algorithm, naming the call that communicates for it
+        (module docstring).
         """
+        if self.algorithm.averages_gradients_in_node:
+            return self._run(self._node_mean, [grads], state, "reduce_gradients")
         self._only_for(Target.GRAD, "dp.reduce_gradients(grads, state)")
         return self._run(self.algorithm.reduce, [grads], state, "reduce_gradients")
 
@@ -240,8 +251,8 @@ class DataParallel:
         def init(params):
             leaves = self._leaves(params, "optimizer init")
             return with_form(tuple(
-                initial_state(algorithm, jnp.zeros((layout.padded_numel,), leaves[bucket[0]].dtype), layout,
-                              self.world_size)
+                storable(initial_state(algorithm, jnp.zeros((layout.padded_numel,), leaves[bucket[0]].dtype), layout,
+                                       self.world_size))
                 for bucket, layout in zip(self.bucket_leaves, self.layouts)
             ), self._forms)
 
@@ -355,6 +366,13 @@ class DataParallel:
             f"{call}: {algorithm!r} communicates {algorithm.target.value}s, not {target.value}s, so this call "
             f"would communicate nothing; use {instead}"
         )
+
+    def _node_mean(self, flat, layout, state, comm):
+        """The node's mean of ``flat`` where the algorithm runs over nodes (the communicator offers node groups
+        and the algorithm uses them), else ``flat``: the gradient step of a node that is one worker."""
+        if Feature.HIERARCHICAL in self.algorithm.uses and Feature.HIERARCHICAL in comm.features:
+            flat = comm.within.allreduce(flat, ReduceOp.AVG).astype(flat.dtype)
+        return flat, state
 
     def _check_timeout(self, timeout: float) -> float:
         timeout = float(timeout)

@@ -394,7 +394,9 @@ def algorithms_worker(steps: int):
 def _host_local(a) -> np.ndarray:
     """This process's rows of a pmap-layout array (all rows in one process), as numpy."""
     shards = sorted(a.addressable_shards, key=lambda s: s.index[0].start or 0)
-    return np.concatenate([np.asarray(s.data).reshape((-1,) + a.shape[1:]) for s in shards])
+    # each shard's rows counted from its shape, not reshape(-1, ...): that is ambiguous for an empty leaf
+    rows = lambda d: d.shape[0] if d.ndim == a.ndim else 1  # noqa: E731
+    return np.concatenate([np.asarray(s.data).reshape((rows(s.data),) + a.shape[1:]) for s in shards])
 
 
 def resumable_pmap(dp, params, x, y, start: int, stop: int, load: str | None = None, save: str | None = None,
