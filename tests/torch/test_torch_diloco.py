@@ -143,3 +143,76 @@ def test_two_ranks_match_n_copies_in_one_process(name):
 @multirank(nproc=4, timeout=180)
 def test_four_ranks_match_n_copies_in_one_process(name):
     _parity(name)
+
+
+def simulate_nodes(nodes, ranks_per_node, sync_every):
+    """A node is one worker: one copy per node, stepped with the mean of its ranks' gradients (each rank its own
+    data), and torch's Nesterov SGD on a global copy every ``sync_every`` steps."""
+    copies = [_model(0) for _ in range(nodes)]
+    inner = [_inner(m) for m in copies]
+    global_model = _model(0)
+    outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    data = [_data(r) for r in range(nodes * ranks_per_node)]
+    for t in range(STEPS):
+        for k, (m, opt) in enumerate(zip(copies, inner)):
+            grads = []
+            for xs, ys in data[k * ranks_per_node:(k + 1) * ranks_per_node]:
+                m.zero_grad()
+                F.mse_loss(m(xs[t]), ys[t]).backward()
+                grads.append([p.grad.clone() for p in m.parameters()])
+            for p, *g in zip(m.parameters(), *grads):
+                p.grad = torch.stack(g).mean(0)
+            opt.step()
+        if (t + 1) % sync_every == 0:
+            with torch.no_grad():
+                for g, *local in zip(global_model.parameters(), *(m.parameters() for m in copies)):
+                    g.grad = g - torch.stack(local).mean(0)
+            outer.step()
+            with torch.no_grad():
+                for m in copies:
+                    for p, g in zip(m.parameters(), global_model.parameters()):
+                        p.copy_(g)
+    return copies
+
+
+@multirank(nproc=4, timeout=180, env={"LOCAL_WORLD_SIZE": "2"})
+def test_two_nodes_of_two_ranks_are_two_workers():
+    """4 ranks as 2 nodes of 2: a node's ranks average gradients every step (on the node group) and stay equal;
+    the outer exchange alone crosses nodes; the result is 2-worker DiLoCo on node-averaged gradients."""
+    import collections
+
+    from bagua_x.core.comm import Feature
+
+    calls = collections.Counter()
+    wait = bxt.TorchCommunicator._wait
+
+    def counting_wait(comm, work, x):  # every collective of a TorchCommunicator goes through _wait
+        calls[id(comm)] += 1
+        return wait(comm, work, x)
+
+    bxt.TorchCommunicator._wait = counting_wait
+    rank = dist.get_rank()
+    model = _model(rank)
+    opt = _inner(model)
+    wrapped = bxt.wrap(model, opt, algorithm=DiLoCo(sync_every=4))
+    comm = wrapped.comm
+    assert Feature.HIERARCHICAL in comm.features
+    calls.clear()
+    xs, ys = _data(rank)
+    for t in range(STEPS):
+        _inner_step(wrapped, opt, xs[t], ys[t])
+    names = [k.removeprefix("module.") for k in wrapped.buckets[0].layout.names]
+    got = _vector(model, names)
+    counted = dict(calls)
+    want = _vector(simulate_nodes(2, 2, 4)[rank // 2], names)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    everyone = [np.empty_like(got) for _ in range(4)]
+    dist.all_gather_object(everyone, got)
+    np.testing.assert_array_equal(everyone[rank ^ 1], got)  # a node's two ranks are one worker: bitwise equal
+    syncs = STEPS // 4
+    # one allreduce of the pseudo-gradient shard across nodes per sync; in the node, each step's gradient
+    # allreduce plus each sync's reduce-scatter and allgather; nothing on the whole group
+    assert counted.get(id(comm.across)) == syncs, counted
+    assert counted.get(id(comm.within)) == STEPS + 2 * syncs, counted
+    assert id(comm) not in counted, counted
+    wrapped.shutdown()
