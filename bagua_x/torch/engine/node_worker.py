@@ -44,9 +44,13 @@ class NodeWorkerEngine:
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: Algorithm,
                  comm: TorchCommunicator, *, options: EngineOptions):
-        self._grads = GradientEngine(named_params, GradientAllReduce(hierarchical=False), comm.within,
-                                     options=options)
-        self._weights = WeightEngine(named_params, algorithm, comm, options=options)
+        self._weights = WeightEngine(named_params, algorithm, comm, options=options)  # refuses a missing optimizer
+        try:
+            self._grads = GradientEngine(named_params, GradientAllReduce(hierarchical=False), comm.within,
+                                         options=options)
+        except BaseException:
+            self._weights.close()  # no step hook or thread left behind
+            raise
         self._enabled = True
 
     @property
