@@ -31,7 +31,7 @@ from .engine.background import AsyncAverageEngine
 from .engine.gradient import GradientEngine
 from .engine.interface import Engine, EngineOptions
 from .engine.momentum import MomentumEngine
-from .engine.weight import WeightEngine
+from .engine.node_worker import weight_engine
 from .integrations.ddp_args import check_ddp_arguments
 from .node_form import NodeForm
 from .nodes import declared_setting
@@ -219,11 +219,12 @@ def misuse_problem(module: torch.nn.Module) -> Optional[str]:
     return None
 
 
-def _engine_class(algorithm: Algorithm) -> type:
-    """The engine for what the algorithm declares it communicates (``target``) and when (``phase``)."""
+def _engine_class(algorithm: Algorithm):
+    """The engine for what the algorithm declares it communicates (``target``) and when (``phase``); a weight
+    algorithm's engine also depends on the communicator (:func:`~.engine.node_worker.weight_engine`)."""
     if algorithm.phase is Phase.BACKGROUND:
         return AsyncAverageEngine
-    return {Target.GRAD: GradientEngine, Target.WEIGHT: WeightEngine, Target.MOMENTUM: MomentumEngine}[algorithm.target]
+    return {Target.GRAD: GradientEngine, Target.WEIGHT: weight_engine, Target.MOMENTUM: MomentumEngine}[algorithm.target]
 
 
 def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,

@@ -35,8 +35,9 @@ def _step(wrapped, opt, backward=True):
     opt.step()
 
 
-def rank_dies(algorithm="GradientAllReduce", timeout=5.0, steps_before=3):
-    """Rank 1 exits abruptly after a few steps; rank 0 must raise a BaguaXError within the timeout."""
+def rank_dies(algorithm="GradientAllReduce", timeout=5.0, steps_before=3, kwargs=None):
+    """Rank 1 exits abruptly after a few steps; rank 0 must raise a BaguaXError within the timeout (DiLoCo with
+    ``sync_every`` > ``steps_before``: at its next sync, the first collective after the death)."""
     import torch
 
     from bagua_x import algorithms
@@ -45,7 +46,7 @@ def rank_dies(algorithm="GradientAllReduce", timeout=5.0, steps_before=3):
     rank, _ = _init()
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    wrapped = bxt.wrap(model, opt, algorithm=getattr(algorithms, algorithm)(), timeout=timeout)
+    wrapped = bxt.wrap(model, opt, algorithm=getattr(algorithms, algorithm)(**(kwargs or {})), timeout=timeout)
     for _ in range(steps_before):
         _step(wrapped, opt)
     if rank == 1:

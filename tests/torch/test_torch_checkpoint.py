@@ -22,6 +22,10 @@ CASES = {
     "QAdamStopAfterWarmup": ("QAdam", {"warmup_steps": 2}),  # resumes straight into compressed momentum
     # buckets rebuilt in ready order after step 1; PowerSGD's per-bucket state only fits the rebuilt buckets
     "PowerSGDOutOfOrder": ("PowerSGD", {"start_powerSGD_iter": 2}, "out_of_order"),
+    "DiLoCoMidH": ("DiLoCo", {"sync_every": 2}),  # stops after step 3: one inner step since the last sync
+    # fragment 0 launched at step 3 (the checkpoint), lands at 4; fragment 1 launches at 6, lands at 7
+    "StreamingDiLoCoInFlight": ("DiLoCo", {"sync_every": 6, "fragments": 2, "fragment_sync_delay": 1,
+                                           "fragment_update_alpha": 0.5, "bits": 4}),
 }
 
 
@@ -70,3 +74,27 @@ def test_saved_bucket_state_loads_as_its_type_and_a_misfit_is_refused_by_name():
                                           r"\['error'\], unknown \['eror'\]"):
         load_states([slot], misspelt, side)
     assert int(slot.state.step) == 5  # untouched by the refused load
+
+
+def test_diloco_state_saved_with_another_delay_is_refused_by_bucket_and_field():
+    """fragment_sync_delay sizes DiLoCo's in-flight pseudo-gradients: a state saved without them must not load
+    into a wrapper that launches some (it would fail inside reduce, on the communication thread)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bagua_x.algorithms import DiLoCo
+    from bagua_x.core import BaguaXError
+    from bagua_x.torch import streams
+    from bagua_x.torch.engine.registration import load_states, state_dict_of
+
+    side = streams.side(torch.device("cpu"), "comm")
+    flat, layout = torch.arange(6.0), SimpleNamespace()
+    saved = state_dict_of([SimpleNamespace(bucket=SimpleNamespace(name="bucket_0"),
+                                           state=DiLoCo(sync_every=4).init(flat, layout, 2))])
+    slot = SimpleNamespace(bucket=SimpleNamespace(name="bucket_0"),
+                           state=DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1).init(flat, layout, 2))
+    with pytest.raises(BaguaXError, match=r"bucket 'bucket_0' has 'pending' of shape \(0,\), but this wrapper's is "
+                                          r"\(6,\)"):
+        load_states([slot], saved, side)
+    assert slot.state.pending.shape == (6,)  # untouched by the refused load

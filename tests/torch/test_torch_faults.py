@@ -10,11 +10,13 @@ from launch import run_workers
 ENV = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
 
 
-@pytest.mark.parametrize("algorithm", ["GradientAllReduce", "Decentralized", "ModelAverage", "AsyncModelAverage"])
+@pytest.mark.parametrize("algorithm", ["GradientAllReduce", "Decentralized", "ModelAverage", "AsyncModelAverage",
+                                       "DiLoCo"])
 def test_survivor_raises_when_a_rank_dies(algorithm):
     timeout = 5.0
-    results = run_workers("bx_fault_workers:rank_dies", nproc=2, timeout=90, env=ENV, args=(algorithm, timeout),
-                          expect_failure=True)
+    kwargs = {"sync_every": 8} if algorithm == "DiLoCo" else {}  # rank 1 dies after step 3, between two syncs
+    results = run_workers("bx_fault_workers:rank_dies", nproc=2, timeout=90, env=ENV,
+                          args=(algorithm, timeout, 3, kwargs), expect_failure=True)
     kind, out = results[0]
     assert kind == "ok", out
     assert out["type"] == "BaguaXError", out

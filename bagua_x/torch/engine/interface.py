@@ -16,6 +16,7 @@ engine                 algorithms                          communicates
 =====================  ==================================  ========================================
 ``GradientEngine``     target GRAD                          gradients, during backward
 ``WeightEngine``       target WEIGHT                        weights, at forward or after the step
+``NodeWorkerEngine``   target WEIGHT, a node one worker     gradients in the node, then as WeightEngine
 ``MomentumEngine``     target MOMENTUM (QAdam)              gradients in warmup, then ``exp_avg``
 ``AsyncAverageEngine`` phase BACKGROUND (AsyncModelAverage) weights, on a thread of its own
 =====================  ==================================  ========================================

@@ -107,7 +107,22 @@ def load_states(slots: Sequence, saved: dict, stream: "streams.Stream") -> None:
         )
     loaded = [state_from_dict(s.state, saved[s.bucket.name], f"bucket {s.bucket.name!r}") for s in slots]
     for s, state in zip(slots, loaded):
+        _check_shapes(state, s.state, s.bucket.name)
+    for s, state in zip(slots, loaded):
         s.state = keep_state_for(type(state)(*map(_copy_like, state, s.state)), stream)
+
+
+def _check_shapes(loaded, live, bucket: str) -> None:
+    """Raise naming the bucket and field where a loaded array's shape differs from the state made at wrap: saved
+    with other settings that size the state (DiLoCo's ``fragment_sync_delay`` keeps pseudo-gradients in flight
+    or none), which would otherwise fail later, inside ``reduce``, with an indexing error."""
+    for field, v, t in zip(type(live)._fields, loaded, live):
+        if isinstance(v, torch.Tensor) and isinstance(t, torch.Tensor) and v.shape != t.shape:
+            raise BaguaXError(
+                f"the saved algorithm state of bucket {bucket!r} has {field!r} of shape {tuple(v.shape)}, but this "
+                f"wrapper's is {tuple(t.shape)}: it was saved with other algorithm settings or another model; load "
+                "a state saved with the same ones"
+            )
 
 
 def _copy_like(v, template):
