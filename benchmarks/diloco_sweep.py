@@ -75,10 +75,11 @@ def train(algorithm, args, data) -> dict:
         losses.append(loss.item())
     after = counted()
     with torch.no_grad():
-        correct = float((model(torch.from_numpy(x_te[rank::world])).argmax(1) == torch.from_numpy(y_te[rank::world])).sum())
+        x_eval, y_eval = torch.from_numpy(x_te[rank::world]), torch.from_numpy(y_te[rank::world])
+        correct = float((model(x_eval).argmax(1) == y_eval).sum())
     wire = sum(algorithm.wire_bytes(b.layout, b.itemsize, world) for b in wrapped.buckets)
     wrapped.shutdown()
-    curve, stats = torch.tensor(losses), torch.tensor([correct, float(len(y_te[rank::world]))])
+    curve, stats = torch.tensor(losses), torch.tensor([correct, float(len(y_eval))])
     slowest = torch.tensor([clock])
     dist.all_reduce(curve)
     dist.all_reduce(stats)
