@@ -27,6 +27,8 @@ def test_time_to_target_is_the_clock_at_the_first_evaluation_reaching_it():
     assert runs[2]["speedup_vs_allreduce"] is None and runs[3]["speedup_vs_allreduce"] is None
     text = table(runs, 0.9)
     assert "to 90% acc" in text and "not reached" in text and "4.67x" in text and "3.5 s" in text
+    last_ten = sum(2.0 / (1 + i) for i in range(10, 20)) / 10  # the mean of the last 10 losses, not the last one
+    assert "final loss" in text and f"{last_ten:10.4f}" in text
 
 
 def test_the_figure_is_drawn_with_a_run_that_missed_the_target(tmp_path):

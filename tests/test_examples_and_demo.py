@@ -47,7 +47,7 @@ def test_demo_end_to_end(tmp_path):
     """The demo's torch and JAX jobs on the best setting this machine allows (the 2x2 cluster as root)."""
     out = _run([sys.executable, "-m", "bagua_x.cli", "demo", "--steps", "32", "--seconds", "0", "--jax-steps", "30",
                 "--jax-seconds", "0", "--hidden", "512", "--jax-hidden", "256", "--target", "0.5",
-                "--algorithms", "allreduce", "bytegrad", "--out", str(tmp_path)],
+                "--algorithms", "allreduce", "bytegrad", "diloco", "streaming", "--out", str(tmp_path)],
                timeout=420)
     assert "[Gloo]" not in out, out  # gloo's C++ connection lines are filtered out of the demo's output
     assert "to 50% acc" in out and "speedup" in out, out
@@ -61,7 +61,7 @@ def test_demo_end_to_end(tmp_path):
     assert (table["link"] == "1gbit") == (table["setting"] != "loopback")
     assert ("note:" in out) == (table["setting"] != "cluster"), out
     runs = {(r["frontend"], r["algorithm"]): r for r in table["runs"]}
-    assert set(runs) == {("torch", "allreduce"), ("torch", "bytegrad"), ("jax", "allreduce"), ("jax", "bytegrad")}
+    assert set(runs) == {(f, a) for f in ("torch", "jax") for a in ("allreduce", "bytegrad", "diloco", "streaming")}
     for (frontend, _), r in runs.items():
         assert len(r["seconds"]) == len(r["losses"]) <= (32 if frontend == "torch" else 30), r
         assert r["losses"][-1] < r["losses"][0] and r["step_ms"] > 0, r
@@ -72,4 +72,8 @@ def test_demo_end_to_end(tmp_path):
         assert r["speedup_vs_allreduce"] == pytest.approx(base / r["time_to_target_s"]), r
     assert runs[("torch", "allreduce")]["parameters"] == 64 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10
     assert runs[("jax", "allreduce")]["parameters"] == 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
+    for frontend in ("torch", "jax"):  # DiLoCo (H = 8) sends allreduce's bytes once per 8 steps; 4-bit streaming less
+        allreduce, diloco = runs[(frontend, "allreduce")], runs[(frontend, "diloco")]
+        assert diloco["bytes_per_step"] == pytest.approx(allreduce["bytes_per_step"] / 8)
+        assert runs[(frontend, "streaming")]["bytes_per_step"] < diloco["bytes_per_step"] / 7
     assert (tmp_path / "demo.png").stat().st_size > 10_000

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from ..algorithms import (
-    ByteGrad, Decentralized, GradientAllReduce, LowPrecisionDecentralized, ModelAverage, QAdam,
+    ByteGrad, Decentralized, DiLoCo, GradientAllReduce, LowPrecisionDecentralized, ModelAverage, QAdam,
 )
 
-NAMES = ["allreduce", "bytegrad", "decentralized", "lowprec", "qadam", "model_average"]
+NAMES = ["allreduce", "bytegrad", "decentralized", "lowprec", "qadam", "model_average", "diloco", "streaming"]
 
 
 def make(name: str, steps: int):
@@ -20,6 +20,10 @@ def make(name: str, steps: int):
         # error divided by sqrt(v) + eps would blow the weights up
         "qadam": lambda: QAdam(lr=3e-3, warmup_steps=max(steps // 5, 50), eps=1e-4),
         "model_average": lambda: ModelAverage(period=4),
+        # H = 8: the demo's few hundred steps see dozens of outer steps; flat (every rank a worker) in both
+        # frontends, which do not yet average gradients inside a node for DiLoCo's node-as-worker form
+        "diloco": lambda: DiLoCo(sync_every=8, hierarchical=False),
+        "streaming": lambda: DiLoCo(sync_every=8, fragments=4, bits=4, hierarchical=False),
     }
     if name not in factories:
         raise SystemExit(f"unknown algorithm {name!r}; choose from {', '.join(NAMES)}")

@@ -38,13 +38,20 @@ def _speedup(r: dict) -> str:
     return "-" if r["speedup_vs_allreduce"] is None else f"{r['speedup_vs_allreduce']:.2f}x"
 
 
+def final_loss(r: dict, last: int = 10) -> float:
+    """The train loss over the run's last ``last`` steps: one step's loss is one batch's, too noisy to compare."""
+    tail = r["losses"][-last:]
+    return sum(tail) / len(tail)
+
+
 def table(runs: list[dict], target: float) -> str:
     head = (f"{'frontend':8s} {'algorithm':14s} {'steps':>5s} {'step ms':>8s} {f'to {target:.0%} acc':>12s} "
-            f"{'speedup':>8s} {'accuracy':>8s} {'sent MB/step/rank':>17s}")
+            f"{'speedup':>8s} {'accuracy':>8s} {'final loss':>10s} {'sent MB/step/rank':>17s}")
     rows = [head, "-" * len(head)]
     for r in runs:
         rows.append(f"{r['frontend']:8s} {r['algorithm']:14s} {len(r['losses']):5d} {r['step_ms']:8.1f} "
-                    f"{_reached(r):>12s} {_speedup(r):>8s} {r['accuracy']:8.3f} {r['bytes_per_step'] / 1e6:17.3f}")
+                    f"{_reached(r):>12s} {_speedup(r):>8s} {r['accuracy']:8.3f} {final_loss(r):10.4f} "
+                    f"{r['bytes_per_step'] / 1e6:17.3f}")
     return "\n".join(rows)
 
 

@@ -12,7 +12,8 @@ JAX_MODELS = ("mlp", "transformer")  # the ResNet's BatchNorm buffers have no co
 MLP_WIDTH, MLP_LAYERS, MLP_CLASSES, MLP_BATCH = 1024, 12, 10, 64
 VOCAB, WIDTH, HEADS, LAYERS, SEQ, TRANSFORMER_BATCH = 8192, 256, 4, 12, 32, 4
 
-ALGORITHMS = ("allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "model_average", "qadam")
+ALGORITHMS = ("allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "model_average", "qadam",
+              "diloco", "streaming_diloco")
 
 
 def make_algorithm(name: str):
@@ -23,4 +24,8 @@ def make_algorithm(name: str):
         "allreduce": A.GradientAllReduce, "bytegrad": A.ByteGrad, "decentralized": A.Decentralized,
         "low_precision_decentralized": A.LowPrecisionDecentralized, "model_average": A.ModelAverage,
         "qadam": lambda: A.QAdam(lr=1e-4, warmup_steps=2),
+        # H = 5 divides torch_vs_ddp's rounds (5 or 10 steps after as many warm-up ones), so each round holds
+        # whole outer cycles: 1 exchange of the model (DiLoCo), or of a 4-bit fifth every step (streaming)
+        "diloco": lambda: A.DiLoCo(sync_every=5, hierarchical=False),
+        "streaming_diloco": lambda: A.DiLoCo(sync_every=5, fragments=5, bits=4, hierarchical=False),
     }[name]()

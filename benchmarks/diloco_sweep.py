@@ -1,0 +1,143 @@
+"""DiLoCo swept over H, P and bits against GradientAllReduce, in one job: loss, accuracy, bytes, step time.
+
+    sudo bagua-x cluster --nodes 2 --nproc-per-node 2 --inter-node 100mbit -- \\
+        python benchmarks/diloco_sweep.py [--steps 200] [--json OUT]
+
+Every rank trains the demo's MLP (64-256-256-10, on the digits, SGD with
+momentum as the inner optimizer, batch 16 per rank) once per setting, all
+from the same seed: GradientAllReduce first (the baseline), then
+``DiLoCo(sync_every=H, fragments=P, bits=b, hierarchical=False)`` for H in
+``--h``, P in ``--p`` (P <= H) and b in 32, 8, 4.  Flat: every rank is one
+worker (the torch frontend has no node-as-worker form yet).
+
+Columns: the final train loss (mean over ranks of the last 10 steps) and the
+held-out accuracy after the last step (each rank's own model, all ranks' held-
+out shares); the bytes each rank sends per step by the algorithm's
+``wire_bytes`` (analytic); the bytes that crossed the node link per step,
+from node 0's veth counters (``/proc/net/dev``, read by rank 0 between
+barriers: measured, under ``bagua-x cluster`` only, so with the barriers'
+few kB per run); both as a ratio to GradientAllReduce's; the step time (the
+slowest rank's training clock, evaluations off it) as a ratio to
+GradientAllReduce's.  Rank 0 prints the table (and ``--json``).
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import bagua_x.torch as bxt
+from bagua_x.algorithms import DiLoCo, GradientAllReduce
+from bagua_x.apps.data import load_digits_split, rank_batches
+from bagua_x.apps.demo_report import final_loss
+from bagua_x.apps.demo_torch import mlp
+
+
+def link_bytes():
+    """rx + tx bytes of this node's inter-node veth (``bagua-x cluster`` names it in GLOO_SOCKET_IFNAME), or None."""
+    dev = os.environ.get("GLOO_SOCKET_IFNAME")
+    for line in open("/proc/net/dev").read().splitlines()[2:]:
+        name, fields = line.split(":", 1)
+        if dev and name.strip() == dev:
+            fields = fields.split()
+            return int(fields[0]) + int(fields[8])
+    return None
+
+
+def counted():
+    """Node 0's link counter between two barriers, so no rank's traffic straddles the reading."""
+    dist.barrier()
+    count = link_bytes() if dist.get_rank() == 0 else None
+    dist.barrier()
+    return count
+
+
+def train(algorithm, args, data) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x_tr, y_tr, x_te, y_te = data
+    torch.manual_seed(args.seed)
+    model = mlp(args.hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    wrapped = bxt.wrap(model, opt, algorithm=algorithm)
+    losses, clock = [], 0.0
+    before = counted()
+    for xb, yb in rank_batches(x_tr, y_tr, rank, world, args.batch, args.steps, args.seed):
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(wrapped(torch.from_numpy(xb)), torch.from_numpy(yb))
+        loss.backward()
+        opt.step()
+        clock += time.perf_counter() - start
+        losses.append(loss.item())
+    after = counted()
+    with torch.no_grad():
+        x_eval, y_eval = torch.from_numpy(x_te[rank::world]), torch.from_numpy(y_te[rank::world])
+        correct = float((model(x_eval).argmax(1) == y_eval).sum())
+    wire = sum(algorithm.wire_bytes(b.layout, b.itemsize, world) for b in wrapped.buckets)
+    wrapped.shutdown()
+    curve, stats = torch.tensor(losses), torch.tensor([correct, float(len(y_eval))])
+    slowest = torch.tensor([clock])
+    dist.all_reduce(curve)
+    dist.all_reduce(stats)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {"final_loss": final_loss({"losses": (curve / world).tolist()}), "accuracy": float(stats[0] / stats[1]),
+            "sent_per_step": wire, "link_per_step": None if before is None else (after - before) / args.steps,
+            "step_ms": 1000 * float(slowest[0]) / args.steps}
+
+
+def settings(args):
+    yield "GradientAllReduce", GradientAllReduce()
+    for h in args.h:
+        for p in (p for p in args.p if p <= h):
+            for bits in (32, 8, 4):
+                yield f"DiLoCo H={h} P={p} bits={bits}", DiLoCo(sync_every=h, fragments=p, bits=bits, hierarchical=False)
+
+
+def table(rows) -> str:
+    base = rows[0]
+    head = (f"{'setting':28s} {'final loss':>10s} {'accuracy':>8s} {'sent KB/step/rank':>17s} "
+            f"{'link KB/step':>12s} {'bytes vs allreduce':>18s} {'step time vs allreduce':>22s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        measured = r["link_per_step"] is not None
+        ratio = r["link_per_step"] / base["link_per_step"] if measured else r["sent_per_step"] / base["sent_per_step"]
+        lines.append(f"{r['setting']:28s} {r['final_loss']:10.4f} {r['accuracy']:8.3f} {r['sent_per_step'] / 1e3:17.1f} "
+                     f"{r['link_per_step'] / 1e3 if measured else float('nan'):12.1f} "
+                     f"{ratio:17.4f}{'' if measured else '*'} {r['step_ms'] / base['step_ms']:22.2f}")
+    if base["link_per_step"] is None:
+        lines.append("* analytic (no node link here: run under bagua-x cluster to measure)")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--h", type=int, nargs="+", default=[1, 10, 50])
+    parser.add_argument("--p", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    data = load_digits_split(args.seed)
+    rows = []
+    for name, algorithm in settings(args):
+        rows.append({"setting": name, **train(algorithm, args, data)})
+    if dist.get_rank() == 0:
+        print(f"DiLoCo sweep: {dist.get_world_size()} ranks, link {os.environ.get('BAGUA_X_LINK', 'loopback')}, "
+              f"{args.steps} steps, MLP 64-{args.hidden}-{args.hidden}-10\n" + table(rows), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
