@@ -198,9 +198,7 @@ def link_bytes(numel, bits, ranks_per_node, two_level):
     return groups * per_group
 
 
-# (DiLoCo's hierarchical setting, whether a node is one worker).  Today bagua_x.torch runs DiLoCo flat only
-# (every rank a worker); once it averages gradients inside a node, add ("none", True).
-DILOCO_FORMS = [("false", False)]
+DILOCO_FORMS = [("false", False), ("none", True)]
 DILOCO_CONFIGS = [{"bits": 32, "fragments": 1}, {"bits": 8, "fragments": 1}, {"bits": 4, "fragments": 1},
                   {"bits": 32, "fragments": 4}]
 
