@@ -72,3 +72,14 @@ def test_jax_rows_on_a_cluster(tmp_path):
     pmean, allreduce, compute = (r["baseline_ms"] for r in rows)
     assert len({pmean, allreduce, compute}) == 3, rows  # three systems timed, not one time copied
     assert compute < min(pmean, allreduce), rows  # 50 MB of gradient a step over 1 Gbit/s: the floor is below both
+
+
+def test_without_matplotlib_the_table_stands_and_the_plot_says_what_to_install(tmp_path, monkeypatch):
+    from bagua_x.apps import bench
+
+    rows = [{"frontend": "torch", "link": "loopback", "model": "mlp", "what": "bytegrad", "baseline": "DDP",
+             "baseline_ms": 10.0, "bagua_x_ms": 8.0, "ratio": 0.8}]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ModuleNotFoundError
+    note = bench.plotted(rows, tmp_path / "bench.png")
+    assert "matplotlib is not installed" in note and "bagua-x[demo]" in note
+    assert not (tmp_path / "bench.png").exists()

@@ -219,8 +219,19 @@ def main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, out / "bench.png")
     print(f"\nmachine: {os.cpu_count()} CPU cores, gloo; ratios measured side by side in one job\n")
     print(table(rows))
-    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    print(f"\nwrote {out / 'bench.json'}{plotted(rows, out / 'bench.png')}")
     return 0
+
+
+def plotted(rows: list[dict], path: Path) -> str:
+    """The plot written to ``path``, or why not: the table is already printed, so a missing matplotlib (the
+    ``demo`` extra) must not turn a whole finished run into a traceback."""
+    try:
+        plot(rows, path)
+    except ModuleNotFoundError as e:
+        if e.name != "matplotlib":
+            raise
+        return "; no plot: matplotlib is not installed (pip install 'bagua-x[demo]')"
+    return f" and {path}"
