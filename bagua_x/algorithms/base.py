@@ -114,6 +114,32 @@ class Algorithm:
     averages_gradients_in_node = False
 
     @property
+    def exchange_lag(self) -> int:
+        """Steps the collectives of one ``reduce`` may stay in flight while training goes on (0: none).
+
+        An algorithm with a lag splits ``reduce`` into :meth:`apply` then
+        :meth:`exchange`, and promises that what ``exchange`` writes is first
+        read by the ``apply`` of a later step, and that ``apply`` never writes
+        what ``exchange`` reads.  So a frontend may run ``exchange`` on a
+        snapshot of the buffer on its communication thread, go on training,
+        and wait for it only before the next ``apply`` (Streaming DiLoCo's
+        overlap); a frontend that does not (JAX, where XLA schedules the step)
+        calls ``reduce``, the two in order.
+        """
+        return 0
+
+    def apply(self, flat: Any, layout: BucketLayout, state: NamedTuple, comm: Communicator
+              ) -> tuple[Any, NamedTuple]:
+        """The local half of ``reduce`` (where :attr:`exchange_lag` > 0), first: no collective; ``comm`` only
+        for ``comm.switch``."""
+        raise NotImplementedError(f"{type(self).__name__} has no exchange_lag: call reduce")
+
+    def exchange(self, flat: Any, layout: BucketLayout, state: NamedTuple, comm: Communicator) -> NamedTuple:
+        """The collective half of ``reduce`` (where :attr:`exchange_lag` > 0), after :meth:`apply`: reads
+        ``flat`` and returns the state with what it received."""
+        raise NotImplementedError(f"{type(self).__name__} has no exchange_lag: call reduce")
+
+    @property
     def uses(self) -> frozenset[Feature]:
         """Optional communicator features ``reduce`` uses where offered (a frontend sets them up)."""
         return frozenset()

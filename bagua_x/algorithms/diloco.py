@@ -142,24 +142,44 @@ class DiLoCo(Algorithm):
             per_sync = 2 * (world_size - 1) * (n * self.bits / 8 / world_size + 8 * self.fragments)
         return per_sync / self.sync_every
 
+    @property
+    def exchange_lag(self) -> int:
+        """tau: a fragment's exchange, launched at one step, is read at its landing tau steps later."""
+        return self.fragment_sync_delay
+
     def reduce(self, flat, layout, state, comm):
+        if self.fragment_sync_delay:
+            flat, state = self.apply(flat, layout, state, comm)
+            return flat, self.exchange(flat, layout, state, comm)
         xp = namespace(flat)
         step = state.step + 1
-        bounds = self.fragment_bounds(flat.shape[0])
-        two_level = hierarchical(self.hierarchical, comm)
-        tau = self.fragment_sync_delay
+        branches = [self._sync_now(a, b, comm, hierarchical(self.hierarchical, comm))
+                    for a, b in self.fragment_bounds(flat.shape[0])]
         operand = (flat, state.global_weights, state.momentum, state.pending)
-        launch = self._due(xp, step, 0)
-        if tau == 0:
-            branches = [self._sync_now(a, b, comm, two_level) for a, b in bounds]
-            flat, global_weights, momentum, pending = comm.switch(launch, branches + [_unchanged], operand)
-        else:
-            land = self._due(xp, step, tau)
-            branches = [self._launch(a, b, comm, two_level) for a, b in bounds]
-            operand = comm.switch(launch, branches + [_unchanged], operand)
-            branches = [self._land(a, b) for a, b in bounds]
-            flat, global_weights, momentum, pending = comm.switch(land, branches + [_unchanged], operand)
+        flat, global_weights, momentum, pending = comm.switch(self._due(xp, step, 0), branches + [_unchanged],
+                                                              operand)
         return flat, DiLoCoState(step, global_weights, momentum, pending)
+
+    def apply(self, flat, layout, state, comm):
+        """tau > 0: the step advances and the fragment launched tau steps ago lands (no collective).  The
+        fragment launching at this step (:meth:`exchange`) is another one: ``tau < H / P``."""
+        xp = namespace(flat)
+        step = state.step + 1
+        branches = [self._land(a, b) for a, b in self.fragment_bounds(flat.shape[0])]
+        operand = (flat, state.global_weights, state.momentum, state.pending)
+        flat, global_weights, momentum, pending = comm.switch(self._due(xp, step, self.fragment_sync_delay),
+                                                              branches + [_unchanged], operand)
+        return flat, DiLoCoState(step, global_weights, momentum, pending)
+
+    def exchange(self, flat, layout, state, comm):
+        """tau > 0, after :meth:`apply` (``state.step`` is this step): the fragment due launches, its averaged
+        pseudo-gradient kept in ``pending`` until it lands."""
+        xp = namespace(flat)
+        two_level = hierarchical(self.hierarchical, comm)
+        branches = [self._launch(a, b, comm, two_level) for a, b in self.fragment_bounds(flat.shape[0])]
+        operand = (flat, state.global_weights, state.momentum, state.pending)
+        _, _, _, pending = comm.switch(self._due(xp, state.step, 0), branches + [_unchanged], operand)
+        return state._replace(pending=pending)
 
     def _due(self, xp, step, delay: int):
         """The fragment launched ``delay`` steps before ``step`` (a traced int32), or P where none was."""

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
+from .distributed import private_group
 from .nodes import agree_on_nodes
 
 __all__ = ["TorchCommunicator"]
@@ -209,6 +210,15 @@ class TorchCommunicator:
                 mine.append(TorchCommunicator(group, timeout=self.timeout))
         self._node_comms = tuple(mine)
         self._features = self._features | {Feature.HIERARCHICAL}
+
+    def duplicate(self) -> "TorchCommunicator":
+        """A communicator of the same ranks, backend, timeout and current node form on process groups of its
+        own (collective: every rank calls it once), for collectives another thread runs while this
+        communicator's are in use (a group pairs collectives in the order each rank issues them)."""
+        twin = TorchCommunicator(private_group(self.group, self.timeout), timeout=self.timeout)
+        if Feature.HIERARCHICAL in self._features:
+            twin.enable_hierarchical(True, self._node_comms[0].size)
+        return twin
 
     def use_nodes(self, two_level: bool) -> None:
         """Offer ``Feature.HIERARCHICAL`` (``two_level``) or withhold it, keeping the node groups: the form

@@ -162,3 +162,44 @@ def test_two_levels_node_is_one_worker():
 def test_bad_keywords_refused(kw, words):
     with pytest.raises(BaguaXError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         DiLoCo(**kw)
+
+
+@pytest.mark.parametrize("kw", [dict(sync_every=6, fragments=3, fragment_sync_delay=1),
+                                dict(sync_every=4, fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5),
+                                dict(sync_every=5, fragment_sync_delay=4, bits=4)],
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_the_exchange_can_stay_in_flight_for_its_lag(kw):
+    """What a frontend overlapping the exchange does (torch's WeightEngine): ``apply`` on the live weights, then
+    ``exchange`` on a snapshot while the next inner step already moves the weights, its state taken back only
+    before the next ``apply``.  The contract that allows it: apply sends nothing, exchange changes only
+    ``pending`` and never the weights; and the result is the reference's, step by step."""
+    alg = DiLoCo(**kw)
+    assert alg.exchange_lag == alg.fragment_sync_delay >= 1
+    n = 2
+    _, _, want = simulate(alg, n)
+    x0 = np.random.default_rng(7).standard_normal(NUMEL).astype(np.float32)
+
+    def fn(c):
+        x = x0.copy()
+        state = alg.init(x, flat_layout(x), c.size)
+        in_flight = None  # (snapshot, state) of the exchange launched at the previous step
+        out, apply_sent = [], 0
+        for t in range(STEPS):
+            x = inner_step(x, c.rank, t)  # training goes on while the previous exchange is in flight
+            if in_flight is not None:
+                snapshot, before = in_flight
+                state = alg.exchange(snapshot, flat_layout(x), before, c)  # lands before this step's apply
+                assert all(np.array_equal(a, b) for a, b in zip(state[:3], before[:3]))  # only pending moved
+            sent = len(c.sent)
+            x, state = alg.apply(x, flat_layout(x), state, c)
+            apply_sent += len(c.sent) - sent
+            in_flight = (np.array(x, copy=True), state)
+            out.append(np.asarray(x).copy())
+        return out, apply_sent
+
+    results, _ = run(n, fn)
+    assert len(results) == n
+    for r, (got, apply_sent) in enumerate(results):
+        assert apply_sent == 0
+        for t in range(STEPS):
+            assert np.abs(got[t] - want[t][r]).max() <= (2e-6 if alg.bits == 32 else 1e-3), (r, t)

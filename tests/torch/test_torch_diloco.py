@@ -216,3 +216,81 @@ def test_two_nodes_of_two_ranks_are_two_workers():
     assert counted.get(id(comm.within)) == STEPS + 2 * syncs, counted
     assert id(comm) not in counted, counted
     wrapped.shutdown()
+
+
+def simulate_nodes_reference(nodes, ranks_per_node, names, config):
+    """:func:`simulate_nodes` with the numpy reference (fragments, delay, alpha) as the outer algorithm."""
+    copies = [_model(0) for _ in range(nodes)]
+    inner = [_inner(m) for m in copies]
+    data = [_data(r) for r in range(nodes * ranks_per_node)]
+    kw = dict(config)
+    workers = DiLoCoWorkers(_vector(copies[0], names), nodes, kw.pop("sync_every"), fragments=kw.pop("fragments", 1),
+                            delay=kw.pop("fragment_sync_delay", 0), alpha=kw.pop("fragment_update_alpha", 0.0))
+    assert not kw
+    for t in range(STEPS):
+        for k, (m, opt) in enumerate(zip(copies, inner)):
+            grads = []
+            for xs, ys in data[k * ranks_per_node:(k + 1) * ranks_per_node]:
+                m.zero_grad()
+                F.mse_loss(m(xs[t]), ys[t]).backward()
+                grads.append([p.grad.clone() for p in m.parameters()])
+            for p, *g in zip(m.parameters(), *grads):
+                p.grad = torch.stack(g).mean(0)
+            opt.step()
+        for m, x in zip(copies, workers.after_step([_vector(m, names) for m in copies])):
+            torch.nn.utils.vector_to_parameters(torch.from_numpy(x), [dict(m.named_parameters())[k] for k in names])
+    return copies
+
+
+@multirank(nproc=4, timeout=180, env={"LOCAL_WORLD_SIZE": "2"})
+def test_two_nodes_streaming_with_the_exchange_in_flight():
+    """Streaming DiLoCo (tau = 1: each exchange runs on groups of its own while the next step trains, the node's
+    gradient allreduce included) over 2 nodes of 2 ranks equals the 2-worker reference on node-mean gradients."""
+    config = CONFIGS["streaming"]
+    rank = dist.get_rank()
+    model = _model(rank)
+    opt = _inner(model)
+    wrapped = bxt.wrap(model, opt, algorithm=DiLoCo(**config))
+    xs, ys = _data(rank)
+    for t in range(STEPS):
+        _inner_step(wrapped, opt, xs[t], ys[t])
+    names = [k.removeprefix("module.") for k in wrapped.buckets[0].layout.names]
+    got = _vector(model, names)
+    want = _vector(simulate_nodes_reference(2, 2, names, config)[rank // 2], names)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    everyone = [np.empty_like(got) for _ in range(4)]
+    dist.all_gather_object(everyone, got)
+    np.testing.assert_array_equal(everyone[rank ^ 1], got)
+    assert not np.array_equal(everyone[0], everyone[2])  # two workers, apart between syncs (alpha = 0.5)
+    wrapped.shutdown()
+
+
+LATE = 2.0  # seconds rank 1 comes late to the step that launches fragment 0
+
+
+@multirank(nproc=2, timeout=120)
+def test_the_streaming_exchange_overlaps_the_next_step():
+    """With ``fragment_sync_delay=1`` the optimizer step that launches a fragment returns at once, its exchange
+    left in flight (a late peer delays only the landing step); with 0 the same step waits for the late peer."""
+    import time
+
+    rank = dist.get_rank()
+    took = {}
+    for tau in (1, 0):
+        model = _model(0)
+        opt = _inner(model)
+        wrapped = bxt.wrap(model, opt, algorithm=DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=tau))
+        assert wrapped.algorithm.offsets()[0] == 2  # fragment 0 launches at the second step
+        xs, ys = _data(rank)
+        for t in range(4):
+            opt.zero_grad()
+            F.mse_loss(wrapped(xs[t]), ys[t]).backward()
+            if rank == 1 and t == 1:
+                time.sleep(LATE)
+            start = time.monotonic()
+            opt.step()
+            took[(tau, t)] = time.monotonic() - start
+        wrapped.shutdown()
+    if rank == 0:
+        assert took[(1, 1)] < 0.5 * LATE, took  # launched and left in flight
+        assert took[(0, 1)] > 0.5 * LATE, took  # control: without a lag the launching step waits

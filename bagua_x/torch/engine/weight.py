@@ -9,6 +9,11 @@
   ``optimizer.step()`` (a step post-hook), each bucket is exchanged and written back.
   The exchange also runs on the communication thread, so that the training
   thread's wait for it is bounded by wrap's ``timeout`` like every other wait.
+  An algorithm with an ``exchange_lag`` (Streaming DiLoCo with
+  ``fragment_sync_delay``) runs its local ``apply`` on the training thread and
+  its ``exchange`` on a snapshot there, on process groups of its own
+  (``TorchCommunicator.duplicate``), without waiting: the next forward,
+  backward and step overlap it, and the next step's ``apply`` waits for it.
 
 Gradients are not communicated: each rank steps with its local gradient.
 The parameters are views of their bucket's flat buffer (``Bucket.flatten``
@@ -28,6 +33,7 @@ the training stream and exchanged on the other, is marked for it
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional, Sequence
 
@@ -38,6 +44,7 @@ from ...core.bucket import Bucket
 from ...core.comm import ReduceOp
 from ...core.errors import BaguaXError
 from .. import streams
+from ..checks import check_finite, non_finite_tensors
 from ..communicator import TorchCommunicator
 from ..runtime import BackwardHooks
 from .base import BucketedEngine
@@ -69,6 +76,7 @@ class WeightEngine(BucketedEngine):
         self._in_flight: Optional[list[torch.Tensor]] = None
         self._hooks: Optional[BackwardHooks] = None
         self._step_hook = None
+        self._exchange_comm: Optional[TorchCommunicator] = None
         if algorithm.phase is Phase.BEFORE_FORWARD:
             self._hooks = BackwardHooks(tensors, self._hook, self._finish, lambda: self._in_flight is not None)
         elif algorithm.phase is Phase.AFTER_STEP:
@@ -77,6 +85,9 @@ class WeightEngine(BucketedEngine):
                     f"{type(algorithm).__name__} communicates weights after each optimizer step, so wrap() needs "
                     "the optimizer: bagua_x.torch.wrap(model, optimizer, algorithm=...)"
                 )
+            # an exchange left in flight across steps gets groups of its own: the training thread's collectives
+            # (buffer broadcasts, a node's gradient allreduce) go on meanwhile
+            self._exchange_comm = comm.duplicate() if algorithm.exchange_lag else None
             self._step_hook = optimizer.register_step_post_hook(lambda *_: self.after_step())
         else:
             raise BaguaXError(
@@ -127,10 +138,45 @@ class WeightEngine(BucketedEngine):
     def after_step(self) -> None:
         if not self.enabled:
             return
+        if self._exchange_comm is not None:
+            self._apply_then_exchange()
+            return
         for slot in self.slots:
             self._submit(slot, self._weights(slot.bucket))  # _weights on this thread: it may re-point replaced ones
         self._worker.wait()  # the next forward's kernels wait for the exchange
         self.synced_steps += 1
+
+    def _apply_then_exchange(self) -> None:
+        """An algorithm with an ``exchange_lag``: the exchange launched at the previous step lands in the state,
+        ``apply`` runs here, and this step's ``exchange`` runs on a snapshot on the communication thread while
+        training goes on (see ``Algorithm.exchange_lag``)."""
+        self._worker.wait()
+        for slot in self.slots:
+            weights = self._weights(slot.bucket)
+            with torch.no_grad():
+                out, slot.state = self.algorithm.apply(weights, slot.bucket.layout, slot.state, self.comm)
+                if out is not weights:
+                    weights.copy_(out)
+                snapshot = weights.clone()
+            streams.keep_for(snapshot, self._worker.stream)
+            self._worker.submit(slot.what, functools.partial(self._exchange, slot, snapshot), slot.bucket)
+        self.synced_steps += 1
+
+    def _exchange(self, slot, snapshot: torch.Tensor) -> None:
+        """On the communication thread; ``check_finite`` checks the weights after ``apply`` (the snapshot), as
+        the other after-step algorithms' are after ``reduce``."""
+        local_bad = non_finite_tensors(slot.bucket, snapshot) if self.check_finite else []
+        slot.state = self.algorithm.exchange(snapshot, slot.bucket.layout, slot.state, self._exchange_comm)
+        if self.check_finite:
+            check_finite(slot.bucket, snapshot, local_bad, self.what, self._exchange_comm)
+
+    def state_dict(self) -> dict:
+        self._worker.wait()  # an exchange in flight belongs to the state
+        return super().state_dict()
+
+    def load_state_dict(self, saved: dict) -> None:
+        self._worker.wait()  # or it would land over the loaded state
+        super().load_state_dict(saved)
 
     def restart_state(self) -> None:
         """Every bucket's weights become the ranks' average and its state starts afresh from them, as at set-up
