@@ -2,13 +2,15 @@
 
     sudo bagua-x cluster --nodes 2 --nproc-per-node 2 --inter-node 100mbit -- \\
         python benchmarks/diloco_sweep.py [--steps 200] [--json OUT]
+        [--h 8 --p 4 --bits 32 --tau 0 1]   # Streaming's overlap: tau = 1 against tau = 0
 
 Every rank trains the demo's MLP (64-256-256-10, on the digits, SGD with
 momentum as the inner optimizer, batch 16 per rank) once per setting, all
 from the same seed: GradientAllReduce first (the baseline), then
-``DiLoCo(sync_every=H, fragments=P, bits=b, hierarchical=False)`` for H in
-``--h``, P in ``--p`` (P <= H) and b in 32, 8, 4.  Flat: every rank is one
-worker (the torch frontend has no node-as-worker form yet).
+``DiLoCo(sync_every=H, fragments=P, bits=b, fragment_sync_delay=tau,
+hierarchical=False)`` for H in ``--h``, P in ``--p`` (P <= H), b in
+``--bits`` and tau in ``--tau`` (tau < H // P).  Flat: every rank is one
+worker (``--nodes-as-workers``: a node is one worker, ``hierarchical=None``).
 
 Columns: the final train loss (mean over ranks of the last 10 steps) and the
 held-out accuracy after the last step (each rank's own model, all ranks' held-
@@ -91,23 +93,27 @@ def train(algorithm, args, data) -> dict:
 
 def settings(args):
     yield "GradientAllReduce", GradientAllReduce()
+    form = None if args.nodes_as_workers else False
     for h in args.h:
         for p in (p for p in args.p if p <= h):
-            for bits in (32, 8, 4):
-                yield f"DiLoCo H={h} P={p} bits={bits}", DiLoCo(sync_every=h, fragments=p, bits=bits, hierarchical=False)
+            for bits in args.bits:
+                for tau in (tau for tau in args.tau if tau < h // p):
+                    name = f"DiLoCo H={h} P={p} bits={bits}" + (f" tau={tau}" if tau else "")
+                    yield name, DiLoCo(sync_every=h, fragments=p, bits=bits, fragment_sync_delay=tau,
+                                       hierarchical=form)
 
 
 def table(rows) -> str:
     base = rows[0]
-    head = (f"{'setting':28s} {'final loss':>10s} {'accuracy':>8s} {'sent KB/step/rank':>17s} "
-            f"{'link KB/step':>12s} {'bytes vs allreduce':>18s} {'step time vs allreduce':>22s}")
+    head = (f"{'setting':34s} {'final loss':>10s} {'accuracy':>8s} {'sent KB/step/rank':>17s} "
+            f"{'link KB/step':>12s} {'bytes vs allreduce':>18s} {'step ms':>8s} {'step time vs allreduce':>22s}")
     lines = [head, "-" * len(head)]
     for r in rows:
         measured = r["link_per_step"] is not None
         ratio = r["link_per_step"] / base["link_per_step"] if measured else r["sent_per_step"] / base["sent_per_step"]
-        lines.append(f"{r['setting']:28s} {r['final_loss']:10.4f} {r['accuracy']:8.3f} {r['sent_per_step'] / 1e3:17.1f} "
+        lines.append(f"{r['setting']:34s} {r['final_loss']:10.4f} {r['accuracy']:8.3f} {r['sent_per_step'] / 1e3:17.1f} "
                      f"{r['link_per_step'] / 1e3 if measured else float('nan'):12.1f} "
-                     f"{ratio:17.4f}{'' if measured else '*'} {r['step_ms'] / base['step_ms']:22.2f}")
+                     f"{ratio:17.4f}{'' if measured else '*'} {r['step_ms']:8.1f} {r['step_ms'] / base['step_ms']:22.3f}")
     if base["link_per_step"] is None:
         lines.append("* analytic (no node link here: run under bagua-x cluster to measure)")
     return "\n".join(lines)
@@ -118,6 +124,9 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--h", type=int, nargs="+", default=[1, 10, 50])
     parser.add_argument("--p", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--bits", type=int, nargs="+", default=[32, 8, 4])
+    parser.add_argument("--tau", type=int, nargs="+", default=[0])
+    parser.add_argument("--nodes-as-workers", action="store_true")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.05)

@@ -12,8 +12,9 @@ splits each bucket into P contiguous element ranges, fragment i synced at
 steps ``o_i + kH`` with ``o_i = floor(H (i + 1) / P)`` (torchft's schedule),
 so one exchange moves 1/P of the model.  With ``fragment_sync_delay`` = tau
 the pseudo-gradient is taken at the launch step and its average lands tau
-steps later (a frontend may overlap the exchange with those steps; the
-result is the same): on landing, the global copy takes the outer step and
+steps later (``exchange_lag``: ``reduce`` is ``apply``, the landing, then
+``exchange``, the launch, so a frontend may leave the exchange in flight
+while the next step trains, as torch does; the result is the same): on landing, the global copy takes the outer step and
 ``local = global + alpha (local - global)`` (``fragment_update_alpha``; 0 takes
 the global weights, dropping the local steps made in between, as torchft).
 
