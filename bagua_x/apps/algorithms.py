@@ -20,10 +20,10 @@ def make(name: str, steps: int):
         # error divided by sqrt(v) + eps would blow the weights up
         "qadam": lambda: QAdam(lr=3e-3, warmup_steps=max(steps // 5, 50), eps=1e-4),
         "model_average": lambda: ModelAverage(period=4),
-        # H = 8: the demo's few hundred steps see dozens of outer steps; flat (every rank a worker) in both
-        # frontends, which do not yet average gradients inside a node for DiLoCo's node-as-worker form
+        # H = 8: the demo's few hundred steps see dozens of outer steps; flat (every rank a worker), the form the
+        # demo's step functions run in both frontends; streaming's exchange overlaps the next step (tau = 1)
         "diloco": lambda: DiLoCo(sync_every=8, hierarchical=False),
-        "streaming": lambda: DiLoCo(sync_every=8, fragments=4, bits=4, hierarchical=False),
+        "streaming": lambda: DiLoCo(sync_every=8, fragments=4, fragment_sync_delay=1, bits=4, hierarchical=False),
     }
     if name not in factories:
         raise SystemExit(f"unknown algorithm {name!r}; choose from {', '.join(NAMES)}")
