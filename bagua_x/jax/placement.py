@@ -26,7 +26,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["replicate", "unreplicate", "from_process0"]
+from ..core.errors import BaguaXError
+
+__all__ = ["replicate", "unreplicate", "from_process0", "context_mesh"]
 
 
 def from_process0(tree: Any) -> Any:
@@ -36,9 +38,24 @@ def from_process0(tree: Any) -> Any:
     return multihost_utils.broadcast_one_to_all(jax.device_get(tree))
 
 
+def context_mesh(axis_name: Hashable) -> Optional[Mesh]:
+    """The mesh of ``jax.set_mesh(...)`` around the caller, or None outside one: a mesh step reads its
+    arguments laid out on it, so placement must not fall back to pmap's layout there."""
+    get_mesh = getattr(jax.sharding, "get_mesh", None)  # JAX >= 0.8
+    mesh = get_mesh() if get_mesh is not None else None
+    if mesh is None or mesh.empty:
+        return None
+    if axis_name not in mesh.axis_names:
+        raise BaguaXError(f"the mesh set with jax.set_mesh has axes {list(mesh.axis_names)}, none of them the "
+                          f"wrap's axis_name {axis_name!r}; wrap with one of those axis names")
+    return mesh
+
+
 def replicate(tree: Any, axis_name: Hashable, mesh: Optional[Mesh] = None, per_device: bool = False) -> Any:
-    """Process 0's ``tree`` on every device, in one of the layouts above."""
+    """Process 0's ``tree`` on every device, in one of the layouts above (``mesh`` defaults to the one of
+    ``jax.set_mesh`` around the call)."""
     host = from_process0(tree)
+    mesh = mesh if mesh is not None else context_mesh(axis_name)
     if mesh is None:
         devices = jax.local_devices()
         stacked = NamedSharding(Mesh(np.array(devices), (axis_name,)), PartitionSpec(axis_name))

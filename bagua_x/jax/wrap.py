@@ -132,6 +132,12 @@ class DataParallel:
             ),
             "bagua_x.jax.wrap: the params trees or settings differ across processes",
         )
+        if not registered:  # after the check above: every process raises alike, none waits for the others
+            found = ", ".join(f"{n} ({d})" for n, d in zip(self.names, self._dtypes)) or "no leaves at all"
+            raise BaguaXError(
+                f"bagua_x.jax.wrap: the params tree has no float leaf to communicate ({found}); wrap the tree of "
+                "trainable float parameters (flax: nnx.state(model, nnx.Param))"
+            )
         # hierarchical=None on nodes: flat or over nodes, timed here (every process wraps); None: not measured
         two_level = measured_form(self.algorithm, self.layouts, axis_name, self.world_size,
                                   devices_per_node or min(default_local_size(), self.world_size))
@@ -151,7 +157,8 @@ class DataParallel:
     def replicate(self, tree: Any, mesh: Optional[jax.sharding.Mesh] = None, per_device: bool = False) -> Any:
         """Put ``tree`` on every device, process 0's values winning.
 
-        Without ``mesh``: the pmap layout.  With ``mesh``: replicated
+        Without ``mesh``: the mesh of ``jax.set_mesh`` around the call, outside one the pmap
+        layout.  With a mesh: replicated
         (``in_specs=P()``), or with ``per_device`` one copy per device along the
         axis (``in_specs=P(axis_name)``), for values that diverge per device:
         the params and optimizer state of weight algorithms.  See :mod:`.placement`.

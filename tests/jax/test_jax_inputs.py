@@ -42,6 +42,13 @@ def test_complex_leaf_is_refused_at_wrap():
         wrap({"w": jnp.ones(3), "z": jnp.ones(2, jnp.complex64)})
 
 
+@pytest.mark.parametrize("tree", [{"step": jnp.zeros((), jnp.int32)}, {}], ids=["integer only", "empty"])
+def test_a_tree_with_nothing_to_communicate_is_refused_at_wrap(tree):
+    """Not a wrap of 0 buckets, which would train every device on its own without a word."""
+    with pytest.raises(BaguaXError, match=r"no float leaf to communicate \((\['step'\] \(int32\)|no leaves at all)\)"):
+        wrap(tree)
+
+
 def test_integer_gradient_at_a_float_position_is_refused():
     dp = wrap(params())
     grads = {**params(), "w": jnp.ones((2, 3), jnp.int32)}
@@ -142,9 +149,11 @@ def test_reduce_gradients_equals_per_leaf_pmean(spec, pack, cap_mb, seed):
     is_leaf = lambda x: isinstance(x, Leaf)  # noqa: E731
     grads = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=(NDEV, *s.shape)), s.dtype), spec, is_leaf=is_leaf)
     one = jax.tree.map(lambda g: g[0], grads)
+    if not jax.tree.leaves(one):  # nothing to communicate: refused at wrap (the test above)
+        return
     dp = wrap(one, algorithm=GradientAllReduce(), pack_buckets=pack, bucket_cap_mb=cap_mb)
 
-    def step(g, st, marker):  # marker: pmap needs one mapped argument even for an empty tree
+    def step(g, st, marker):  # marker: pmap needs one mapped argument even for a tree of empty leaves
         out, _ = dp.reduce_gradients(g, st)
         return out, jax.tree.map(lambda x: jax.lax.pmean(x, "batch"), g), marker
 

@@ -104,6 +104,23 @@ def test_replicate_unreplicate_roundtrip():
     assert_trees_close(dp.unreplicate(dp.replicate(params, mesh)), params, atol=0)
 
 
+@pytest.mark.skipif(not hasattr(jax.sharding, "get_mesh"), reason="jax.set_mesh needs JAX >= 0.8")
+def test_replicate_follows_the_mesh_of_set_mesh():
+    """Under ``jax.set_mesh`` a step reads its arguments on that mesh: not the pmap layout, with its extra axis."""
+    params = w.make_params(3)
+    dp = wrap(params)
+    mesh = jax.make_mesh((4,), ("batch",))
+    with jax.set_mesh(mesh):
+        rep, per = dp.replicate(params), dp.replicate(params, per_device=True)
+    assert rep["l1"]["w"].shape == (w.IN, w.HIDDEN) and rep["l1"]["w"].sharding.mesh.shape == mesh.shape
+    assert rep["l1"]["w"].sharding.spec == jax.sharding.PartitionSpec()
+    assert per["l1"]["w"].shape == (4, w.IN, w.HIDDEN) and per["l1"]["w"].sharding.spec[0] == "batch"
+    assert_trees_close(dp.unreplicate(rep), params, atol=0)
+    with jax.set_mesh(jax.make_mesh((4,), ("data",))):
+        with pytest.raises(BaguaXError, match=r"has axes \['data'\], none of them the wrap's axis_name 'batch'"):
+            dp.replicate(params)
+
+
 def test_outside_pmap_is_a_clear_error():
     params = w.make_params(0)
     with pytest.raises(BaguaXError, match="must run inside jax.pmap"):
