@@ -154,7 +154,8 @@ class WeightEngine(BucketedEngine):
         for slot in self.slots:
             weights = self._weights(slot.bucket)
             with torch.no_grad():
-                out, slot.state = self.algorithm.apply(weights, slot.bucket.layout, slot.state, self.comm)
+                out, state = self.algorithm.apply(weights, slot.bucket.layout, slot.state, self.comm)
+                slot.state = keep_state_for(state, self._worker.stream)  # made here, read by the exchange there
                 if out is not weights:
                     weights.copy_(out)
                 snapshot = weights.clone()
