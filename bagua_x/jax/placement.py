@@ -56,6 +56,9 @@ def replicate(tree: Any, axis_name: Hashable, mesh: Optional[Mesh] = None, per_d
     ``jax.set_mesh`` around the call)."""
     host = from_process0(tree)
     mesh = mesh if mesh is not None else context_mesh(axis_name)
+    if mesh is not None and axis_name not in mesh.axis_names:
+        raise BaguaXError(f"the mesh has axes {list(mesh.axis_names)}, none of them the wrap's axis_name "
+                          f"{axis_name!r}; pass a mesh with that axis, or wrap with one of those axis names")
     if mesh is None:
         devices = jax.local_devices()
         stacked = NamedSharding(Mesh(np.array(devices), (axis_name,)), PartitionSpec(axis_name))
