@@ -145,14 +145,16 @@ def reduce_requantize(packed, average: bool):
 def pack_nibbles(q):
     """uint8 codes (R, 2k), each < 16 -> uint8 (R, k): code 2j in the low nibble of byte j, 2j + 1 in the high."""
     xp = namespace(q)
-    return xp.bitwise_or(q[:, 0::2], xp.bitwise_left_shift(q[:, 1::2], xp.asarray(4, dtype=xp.uint8)))
+    four = xp.asarray(4, dtype=xp.uint8, device=array_api_compat.device(q))
+    return xp.bitwise_or(q[:, 0::2], xp.bitwise_left_shift(q[:, 1::2], four))
 
 
 def unpack_nibbles(packed):
     """Inverse of :func:`pack_nibbles`: uint8 (R, k) -> uint8 codes (R, 2k)."""
     xp = namespace(packed)
-    low = xp.bitwise_and(packed, xp.asarray(15, dtype=xp.uint8))
-    high = xp.bitwise_right_shift(packed, xp.asarray(4, dtype=xp.uint8))
+    device = array_api_compat.device(packed)
+    low = xp.bitwise_and(packed, xp.asarray(15, dtype=xp.uint8, device=device))
+    high = xp.bitwise_right_shift(packed, xp.asarray(4, dtype=xp.uint8, device=device))
     return xp.reshape(xp.stack([low, high], axis=2), (packed.shape[0], -1))
 
 

@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bagua_x.algorithms import (ByteGrad, Decentralized, GradientAllReduce, LowPrecisionDecentralized, ModelAverage,
+from bagua_x.algorithms import (ByteGrad, Decentralized, DiLoCo, GradientAllReduce, LowPrecisionDecentralized, ModelAverage,
                                 PowerSGD, QAdam)
 from bagua_x.core.bucket import BucketLayout
 from bagua_x.core.comm import Feature, ReduceOp
@@ -76,6 +76,7 @@ ALGORITHMS = [
     Decentralized(), Decentralized("shift_one"), Decentralized(communication_interval=2),
     LowPrecisionDecentralized(), ModelAverage(period=2), PowerSGD(matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=0),
     QAdam(lr=0.1, warmup_steps=2),
+    DiLoCo(sync_every=2), DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1, bits=4), DiLoCo(sync_every=2, bits=8),
 ]
 FORMS = {"flat": dict(size=8), "hierarchical": dict(size=8, local_size=4)}
 
