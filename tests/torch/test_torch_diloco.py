@@ -145,6 +145,18 @@ def test_four_ranks_match_n_copies_in_one_process(name):
     _parity(name)
 
 
+def _node_step(model, opt, node_data, t):
+    """One inner step of a node that is one worker: the mean of its ranks' gradients (each its own data)."""
+    grads = []
+    for xs, ys in node_data:
+        model.zero_grad()
+        F.mse_loss(model(xs[t]), ys[t]).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for p, *g in zip(model.parameters(), *grads):
+        p.grad = torch.stack(g).mean(0)
+    opt.step()
+
+
 def simulate_nodes(nodes, ranks_per_node, sync_every):
     """A node is one worker: one copy per node, stepped with the mean of its ranks' gradients (each rank its own
     data), and torch's Nesterov SGD on a global copy every ``sync_every`` steps."""
@@ -155,14 +167,7 @@ def simulate_nodes(nodes, ranks_per_node, sync_every):
     data = [_data(r) for r in range(nodes * ranks_per_node)]
     for t in range(STEPS):
         for k, (m, opt) in enumerate(zip(copies, inner)):
-            grads = []
-            for xs, ys in data[k * ranks_per_node:(k + 1) * ranks_per_node]:
-                m.zero_grad()
-                F.mse_loss(m(xs[t]), ys[t]).backward()
-                grads.append([p.grad.clone() for p in m.parameters()])
-            for p, *g in zip(m.parameters(), *grads):
-                p.grad = torch.stack(g).mean(0)
-            opt.step()
+            _node_step(m, opt, data[k * ranks_per_node:(k + 1) * ranks_per_node], t)
         if (t + 1) % sync_every == 0:
             with torch.no_grad():
                 for g, *local in zip(global_model.parameters(), *(m.parameters() for m in copies)):
@@ -229,14 +234,7 @@ def simulate_nodes_reference(nodes, ranks_per_node, names, config):
     assert not kw
     for t in range(STEPS):
         for k, (m, opt) in enumerate(zip(copies, inner)):
-            grads = []
-            for xs, ys in data[k * ranks_per_node:(k + 1) * ranks_per_node]:
-                m.zero_grad()
-                F.mse_loss(m(xs[t]), ys[t]).backward()
-                grads.append([p.grad.clone() for p in m.parameters()])
-            for p, *g in zip(m.parameters(), *grads):
-                p.grad = torch.stack(g).mean(0)
-            opt.step()
+            _node_step(m, opt, data[k * ranks_per_node:(k + 1) * ranks_per_node], t)
         for m, x in zip(copies, workers.after_step([_vector(m, names) for m in copies])):
             torch.nn.utils.vector_to_parameters(torch.from_numpy(x), [dict(m.named_parameters())[k] for k in names])
     return copies
