@@ -183,7 +183,10 @@ class DiLoCo(Algorithm):
         return state._replace(pending=pending)
 
     def _due(self, xp, step, delay: int):
-        """The fragment launched ``delay`` steps before ``step`` (a traced int32), or P where none was."""
+        """The fragment launched ``delay`` steps before ``step`` (a traced int32), or P where none was.
+
+        On the step counter's device (the host, ``base.counter``), not the bucket's: it is ``comm.switch``'s
+        index, which a frontend reads on the host."""
         due = xp.asarray(self.fragments, dtype=xp.int32)
         for i, o in enumerate(self.offsets()):
             since = step - o - delay  # >= 0: launched at least once

@@ -47,6 +47,18 @@ def _inner_step(model, opt, x, y):
     opt.step()
 
 
+def _outer_step(global_model, outer, copies):
+    """torch's outer optimizer on ``.grad = global - mean(local)``; every copy continues from the new global."""
+    with torch.no_grad():
+        for g, *local in zip(global_model.parameters(), *(m.parameters() for m in copies)):
+            g.grad = g - torch.stack(local).mean(0)
+    outer.step()
+    with torch.no_grad():
+        for m in copies:
+            for p, g in zip(m.parameters(), global_model.parameters()):
+                p.copy_(g)
+
+
 def simulate_torch_outer(n, sync_every):
     """N copies, inner AdamW each, and torch's Nesterov SGD on a global copy every ``sync_every`` steps."""
     copies = [_model(0) for _ in range(n)]
@@ -58,14 +70,7 @@ def simulate_torch_outer(n, sync_every):
         for m, opt, (xs, ys) in zip(copies, inner, data):
             _inner_step(m, opt, xs[t], ys[t])
         if (t + 1) % sync_every == 0:
-            with torch.no_grad():
-                for g, *local in zip(global_model.parameters(), *(m.parameters() for m in copies)):
-                    g.grad = g - torch.stack(local).mean(0)
-            outer.step()
-            with torch.no_grad():
-                for m in copies:
-                    for p, g in zip(m.parameters(), global_model.parameters()):
-                        p.copy_(g)
+            _outer_step(global_model, outer, copies)
     return copies
 
 
@@ -169,14 +174,7 @@ def simulate_nodes(nodes, ranks_per_node, sync_every):
         for k, (m, opt) in enumerate(zip(copies, inner)):
             _node_step(m, opt, data[k * ranks_per_node:(k + 1) * ranks_per_node], t)
         if (t + 1) % sync_every == 0:
-            with torch.no_grad():
-                for g, *local in zip(global_model.parameters(), *(m.parameters() for m in copies)):
-                    g.grad = g - torch.stack(local).mean(0)
-            outer.step()
-            with torch.no_grad():
-                for m in copies:
-                    for p, g in zip(m.parameters(), global_model.parameters()):
-                        p.copy_(g)
+            _outer_step(global_model, outer, copies)
     return copies
 
 
