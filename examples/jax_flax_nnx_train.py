@@ -52,7 +52,10 @@ def main():
         return nnx.state((model, optimizer)), jax.lax.pmean(loss, "batch")
 
     mesh = jax.make_mesh((jax.device_count(),), ("batch",))
-    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("batch"), P("batch")), out_specs=(P(), P())))
+    # check_vma=False: untyped, as pmap is. Typed, nnx.value_and_grad of a model passed with P() would be the
+    # gradient summed over the devices by JAX itself, which bagua_x refuses (docs/jax.md)
+    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("batch"), P("batch")), out_specs=(P(), P()),
+                                 check_vma=False))
     state = dp.replicate(state, mesh)
     batch = NamedSharding(mesh, P("batch"))
     rng = np.random.default_rng(jax.process_index())

@@ -2,6 +2,7 @@
 
 Params are replicated over the mesh (``in_specs=P()``), the batch is sharded
 along the "batch" axis; bagua_x communicates the gradients inside the step.
+(Without a shard_map of your own, ``examples/jax_jit_train.py`` is shorter.)
 
     python examples/jax_shard_map_train.py            # one process, 4 CPU devices
     torchrun --nproc-per-node 2 examples/jax_shard_map_train.py
@@ -36,7 +37,9 @@ def main():
     tx = optax.chain(dp.gradient_transformation(), optax.adam(1e-2))
 
     def step(params, opt_state, x, y):  # runs per device on its shard of the batch
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        # differentiate a per-device copy: with respect to params passed with P() (the same on every device),
+        # jax.grad would sum the gradient over the devices itself, before bagua_x (docs/jax.md)
+        loss, grads = jax.value_and_grad(loss_fn)(jax.lax.pcast(params, "batch", to="varying"), x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "batch")
 

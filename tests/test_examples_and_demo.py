@@ -35,7 +35,8 @@ def test_torch_example_under_torchrun():
     assert len(losses) >= 2 and losses[-1] < 0.5 * losses[0], out
 
 
-@pytest.mark.parametrize("example", ["examples/jax_pmap_train.py", "examples/jax_shard_map_train.py"])
+@pytest.mark.parametrize("example", ["examples/jax_pmap_train.py", "examples/jax_shard_map_train.py",
+                                     "examples/jax_jit_train.py"])
 def test_jax_examples_one_process_four_devices(example):
     out = _run([sys.executable, example], timeout=180,
                env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})

@@ -1,16 +1,19 @@
-"""bagua_x for JAX: data-parallel ``pmap`` / ``shard_map`` training with bagua_x algorithms.
+"""bagua_x for JAX: data-parallel training with bagua_x algorithms, in a ``jax.jit`` step over a mesh,
+inside ``jax.shard_map`` or inside ``jax.pmap``.
 
     bagua_x.jax.init_distributed()             # multi-process: torchrun-style env, gloo on CPU
-    dp = bagua_x.jax.wrap(params, algorithm=ByteGrad(), axis_name="batch")
-    tx = optax.chain(dp.gradient_transformation(), optax.adam(1e-3))
-    params, opt_state = dp.replicate(params), dp.replicate(tx.init(params))
-    # inside jax.pmap(step, axis_name="batch"): tx.update communicates the gradients
-    # (or explicitly: grads, state = dp.reduce_gradients(grads, state), state from dp.init())
+    dp = bagua_x.jax.wrap(params, algorithm=ByteGrad(), axis_name="batch", mesh=mesh)
+    params, opt_state, state = dp.replicate(params), dp.replicate(tx.init(params)), dp.init()
+    # in the jitted step, the batch sharded along "batch":
+    (loss, grads), state = dp.value_and_grad(loss_fn)(params, x, y, state=state)
+    # inside your own shard_map / pmap step: optax.chain(dp.gradient_transformation(), optax.adam(1e-3)),
+    # or grads, state = dp.reduce_gradients(grads, state)
 
-Weight algorithms (Decentralized, LowPrecisionDecentralized, ModelAverage) use
+Weight algorithms (DiLoCo, Decentralized, LowPrecisionDecentralized, ModelAverage) use
 ``params, state = dp.sync_params(params, state)`` at the point their
-``phase`` names; QAdam is an optimizer, ``dp.optimizer()``.  Under
-``jax.shard_map`` pass ``mesh`` to ``replicate``/``init`` (see :mod:`.placement`).
+``phase`` names, their params one copy per device (``dp.replicate(params, per_device=True)``);
+QAdam is an optimizer, ``dp.optimizer()``.  What runs at jit level, and why
+gradients inside a typed ``shard_map`` need care: :mod:`.mesh_step`.
 
 Faults: ``wrap(..., timeout=s, check_finite=True)`` with the step called as
 ``train_step = dp.step(jax.pmap(step, axis_name="batch"))``: a step that does

@@ -20,6 +20,7 @@ from jax import lax
 
 from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
+from .mesh_step import per_device
 
 __all__ = ["AxisCommunicator", "axis_size", "default_local_size"]
 
@@ -167,9 +168,11 @@ class AxisCommunicator:
         return lax.ppermute(x, self.axis_name, perm=[(g[int(s)], g[int(d)]) for g in groups for s, d in pairs])
 
     def switch(self, index, branches: Sequence[Callable[[Any], Any]], operand):
+        """Inside a typed ``shard_map`` the branches' results are all typed per device: one branch's may come
+        out of a collective (the same on every device) and another's not, and ``lax.switch`` wants one type."""
         if isinstance(index, int):
             return branches[index](operand)
-        return lax.switch(index, list(branches), operand)
+        return lax.switch(index, [lambda o, b=b: per_device(b(o), self.axis_name) for b in branches], operand)
 
     def node_problem(self) -> Optional[str]:
         """Why this axis has no node groups to offer, or None (it has them, or it is one node: nothing to group)."""

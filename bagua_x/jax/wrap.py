@@ -39,6 +39,7 @@ from ..core.validation import describe
 from .checks import FiniteCheck, check_leaf_dtype, check_registrable
 from .communicator import AxisCommunicator, default_local_size
 from .distributed import check_same_across_processes, heartbeat_timeout
+from .mesh_step import Layout, axis_bound, invariant_leaves, per_device, shard_over, step_mesh
 from .node_form import StepForms, measured_form, run_in_form, storable, with_form
 from .placement import replicate as _replicate
 from .placement import unreplicate as _unreplicate
@@ -68,8 +69,13 @@ class DataParallel:
         check_finite: bool = False,
         devices_per_node: Optional[int] = None,
         first_step_timeout: Optional[float] = None,
+        mesh: Optional[jax.sharding.Mesh] = None,
     ):
         self.algorithm = algorithm if algorithm is not None else GradientAllReduce()
+        if mesh is not None and axis_name not in mesh.axis_names:
+            raise BaguaXError(f"bagua_x.jax.wrap: the mesh has axes {list(mesh.axis_names)}, none of them axis_name "
+                              f"{axis_name!r}; pass axis_name= one of them, or a mesh with that axis")
+        self.mesh = mesh
         self.devices_per_node = devices_per_node
         if self.algorithm.phase is Phase.BACKGROUND:
             raise BaguaXError(
@@ -78,7 +84,9 @@ class DataParallel:
                 "ModelAverage(period=...), every period steps"
             )
         self.axis_name = axis_name
-        self.world_size = int(world_size if world_size is not None else jax.device_count())
+        if world_size is None:
+            world_size = mesh.shape[axis_name] if mesh is not None else jax.device_count()
+        self.world_size = int(world_size)
         flat, self._treedef = jax.tree_util.tree_flatten_with_path(params)
         self.names = [jax.tree_util.keystr(path) for path, _ in flat]
         self._shapes = [tuple(np.shape(x)) for _, x in flat]
@@ -128,7 +136,8 @@ class DataParallel:
                 {**self.algorithm.hyperparameters(), "axis_name": repr(axis_name), "bucket_cap_mb": bucket_cap_mb,
                  "world_size": self.world_size, "timeout": timeout, "first_step_timeout": first_step_timeout,
                  "check_finite": bool(check_finite),
-                 "devices_per_node": devices_per_node or default_local_size()},  # the node layout
+                 "devices_per_node": devices_per_node or default_local_size(),  # the node layout
+                 "mesh": dict(mesh.shape) if mesh is not None else None},
             ),
             "bagua_x.jax.wrap: the params trees or settings differ across processes",
         )
@@ -157,13 +166,13 @@ class DataParallel:
     def replicate(self, tree: Any, mesh: Optional[jax.sharding.Mesh] = None, per_device: bool = False) -> Any:
         """Put ``tree`` on every device, process 0's values winning.
 
-        Without ``mesh``: the mesh of ``jax.set_mesh`` around the call, outside one the pmap
-        layout.  With a mesh: replicated
+        Without ``mesh``: the wrap's mesh, else the one of ``jax.set_mesh`` around the call, else the
+        pmap layout.  With a mesh: replicated
         (``in_specs=P()``), or with ``per_device`` one copy per device along the
         axis (``in_specs=P(axis_name)``), for values that diverge per device:
         the params and optimizer state of weight algorithms.  See :mod:`.placement`.
         """
-        return _replicate(tree, self.axis_name, mesh, per_device)
+        return _replicate(tree, self.axis_name, mesh if mesh is not None else self.mesh, per_device)
 
     def unreplicate(self, tree: Any) -> Any:
         """One device's copy of a replicated tree (after training: all copies agree for most algorithms)."""
@@ -191,14 +200,70 @@ class DataParallel:
     def init(self, params: Any = None, mesh: Optional[jax.sharding.Mesh] = None) -> tuple:
         """:meth:`init_state` (from ``params``, default the wrapped ones) on every device.
 
-        In the pmap layout, or with ``mesh`` one copy per device (``in_specs=P(axis_name)``),
-        since an algorithm's state may differ per device.
+        In the pmap layout, or on a mesh (``mesh``, the wrap's, or the one of ``jax.set_mesh``) one copy per
+        device (``in_specs=P(axis_name)``), since an algorithm's state may differ per device.
         """
         return self.replicate(jax.device_get(self.init_state(params)), mesh, per_device=True)
 
     # -- inside the step ----------------------------------------------------------------------
+    def value_and_grad(self, fun: Callable, has_aux: bool = False) -> Callable:
+        """``jax.value_and_grad(fun)`` per device, then this wrap's gradient communication: the one call
+        that is right in a ``jax.jit`` step over a mesh, inside ``jax.shard_map`` and inside ``jax.pmap``.
+
+        ``(loss, grads), state = dp.value_and_grad(loss_fn)(params, *batch, state=state)`` (with
+        ``has_aux``: ``((loss, aux), grads), state``).  Each device differentiates on its own part of
+        the batch, with respect to a per-device copy of the params (inside ``shard_map`` JAX would
+        otherwise sum the gradient over the axis itself: :mod:`.mesh_step`), and the gradients come out
+        as the next call takes them: a gradient algorithm's reduced ones, for any optax optimizer;
+        QAdam's per device, for ``dp.optimizer()``; a weight algorithm's per device (DiLoCo's averaged in
+        the node), for an optimizer per device and then :meth:`sync_params`.
+
+        Called at jit level (outside ``pmap`` / ``shard_map``), it runs its own ``jax.shard_map`` over
+        the wrap's axis of the wrap's mesh or the one of ``jax.set_mesh``: each argument after the params
+        is a batch split along its first axis; the state is the one of ``dp.init()``; the params are
+        replicated, except for weight algorithms, whose params are one copy per device
+        (``dp.replicate(params, per_device=True)``).  The loss (and ``aux``) come out with a leading axis
+        of one entry per device: ``loss.mean()`` is the global batch's loss, at the cost of one scalar
+        collective where it is used.  Per-device gradients (QAdam, weight algorithms) come out the same
+        way.  Inside ``pmap`` / ``shard_map`` every value is this device's own.
+        """
+        algorithm = self.algorithm
+        grad_fn = jax.value_and_grad(fun, has_aux=has_aux)
+
+        def on_device(params, state, *args):
+            if algorithm.target is not Target.WEIGHT:  # replicated params: each device's own gradient
+                params = per_device(params, self.axis_name)
+            out, grads = grad_fn(params, *args)
+            if algorithm.target is Target.GRAD or algorithm.averages_gradients_in_node:
+                grads, state = self.reduce_gradients(grads, state)
+            return out, grads, state
+
+        def call(params, *args, state):
+            if axis_bound(self.axis_name):
+                out, grads, state = on_device(params, state, *args)
+                return (out, grads), state
+            where = "dp.value_and_grad(...)(params, ..., state=state)"
+            if algorithm.target is Target.WEIGHT:
+                self._check_stacked(params, where)
+            stacked, replicated = Layout.STACKED, Layout.REPLICATED
+            out_layout = (stacked, stacked) if has_aux else stacked
+            params_layout = stacked if algorithm.target is Target.WEIGHT else replicated
+            grads_layout = replicated if algorithm.target is Target.GRAD else stacked
+            mesh = step_mesh(self.mesh, self.axis_name, where)
+            mapped = shard_over(on_device, mesh, self.axis_name, [params_layout, stacked] + [Layout.SPLIT] * len(args),
+                                (out_layout, grads_layout, stacked))
+            out, grads, state = mapped(params, state, *args)
+            return (out, grads), state
+
+        return call
+
     def reduce_gradients(self, grads: Any, state: tuple) -> tuple[Any, tuple]:
         """Communicate gradients with a gradient algorithm (``Target.GRAD``).
+
+        Call it inside the pmapped / shard_mapped step on this device's own gradients (:meth:`value_and_grad`
+        is this call with the differentiation before it, and also works at jit level).  Inside ``shard_map``,
+        gradients JAX types as the same on every device are refused: ``jax.grad`` with respect to params
+        passed with ``P()`` has summed them over the axis already (:mod:`.mesh_step`).
 
         With a weight algorithm that declares ``averages_gradients_in_node`` (DiLoCo: where it runs over
         nodes, a node is one worker), the gradients averaged inside the node every step, before the
@@ -207,26 +272,48 @@ class DataParallel:
         same in either form.  Raises for any other algorithm, naming the call that communicates for it
         (module docstring).
         """
+        where = "reduce_gradients"
         if self.algorithm.averages_gradients_in_node:
-            return self._run(self._node_mean, [grads], state, "reduce_gradients")
+            if not axis_bound(self.axis_name):  # weight algorithm at jit level: per-device gradients, stacked
+                self._check_stacked(grads, "dp.reduce_gradients(grads, state)")
+                mesh = step_mesh(self.mesh, self.axis_name, "dp.reduce_gradients(grads, state)")
+                return shard_over(lambda g, s: self._run(self._node_mean, [g], s, where), mesh, self.axis_name,
+                                  [Layout.STACKED] * 2, (Layout.STACKED, Layout.STACKED))(grads, state)
+            self._refuse_invariant(grads, where, "gradients")
+            return self._run(self._node_mean, [grads], state, where)
         self._only_for(Target.GRAD, "dp.reduce_gradients(grads, state)")
-        return self._run(self.algorithm.reduce, [grads], state, "reduce_gradients")
+        self._refuse_jit_level("dp.reduce_gradients(grads, state)")
+        self._refuse_invariant(grads, where, "gradients")
+        return self._run(self.algorithm.reduce, [grads], state, where)
 
     def sync_params(self, params: Any, state: tuple) -> tuple[Any, tuple]:
         """Communicate weights with a weight algorithm (``Target.WEIGHT``).
 
         Where to call it follows ``algorithm.phase``: ``BEFORE_FORWARD``
         (Decentralized) between computing gradients and applying them,
-        ``AFTER_STEP`` (LowPrecisionDecentralized, ModelAverage) after applying them.
+        ``AFTER_STEP`` (LowPrecisionDecentralized, ModelAverage, DiLoCo) after applying them.
+        Inside the pmapped / shard_mapped step it takes this device's params (inside ``shard_map`` passed
+        with ``P(axis)``: params JAX types as the same on every device are refused); at jit level, one copy
+        per device stacked along a leading axis (``dp.replicate(params, per_device=True)``), and it runs
+        its own ``jax.shard_map`` over the wrap's or the context's mesh (:mod:`.mesh_step`).
         Raises for any other algorithm, naming the call that communicates for it (module docstring).
         """
-        self._only_for(Target.WEIGHT, "dp.sync_params(params, state)")
+        call = "dp.sync_params(params, state)"
+        self._only_for(Target.WEIGHT, call)
+        if not axis_bound(self.axis_name):
+            self._check_stacked(params, call)
+            mesh = step_mesh(self.mesh, self.axis_name, call)
+            return shard_over(self.sync_params, mesh, self.axis_name, [Layout.STACKED] * 2,
+                              (Layout.STACKED, Layout.STACKED))(params, state)
+        self._refuse_invariant(params, "sync_params", "params")
         return self._run(self.algorithm.reduce, [params], state, "sync_params")
 
     def gradient_transformation(self):
         """An ``optax.GradientTransformation`` whose update is :meth:`reduce_gradients`.
 
-        Chain it first: ``optax.chain(dp.gradient_transformation(), optax.adam(1e-3))``.
+        Chain it first: ``optax.chain(dp.gradient_transformation(), optax.adam(1e-3))``, inside the
+        pmapped / shard_mapped step (at jit level the gradients are already XLA's mean: use
+        :meth:`value_and_grad` and a plain optimizer there).
         Only for gradient algorithms: a weight algorithm communicates with
         :meth:`sync_params` and QAdam is its own optimizer (:meth:`optimizer`), so
         for them this raises instead of silently communicating nothing.
@@ -236,6 +323,7 @@ class DataParallel:
         self._only_for(Target.GRAD, "dp.gradient_transformation()")
 
         def update(updates, state, params=None):
+            self._refuse_jit_level("dp.gradient_transformation()'s update")
             return self.reduce_gradients(updates, state)
 
         return optax.GradientTransformation(lambda params: self.init_state(), update)
@@ -267,6 +355,14 @@ class DataParallel:
             if params is None:
                 raise BaguaXError(f"dp.optimizer(): call update(grads, state, params); {type(algorithm).__name__} "
                                   "needs the params")
+            if not axis_bound(self.axis_name):  # per-device gradients (dp.value_and_grad), replicated params
+                call = "dp.optimizer()'s update"
+                self._check_stacked(grads, call)
+                mesh = step_mesh(self.mesh, self.axis_name, call)
+                return shard_over(update, mesh, self.axis_name,
+                                  [Layout.STACKED, Layout.STACKED, Layout.REPLICATED],
+                                  (Layout.REPLICATED, Layout.STACKED))(grads, state, params)
+            self._refuse_invariant(grads, "optimizer update", "gradients")
             return self._run(algorithm.step, [grads, params], state, "optimizer update")
 
         return optax.GradientTransformation(init, update)
@@ -373,6 +469,54 @@ class DataParallel:
             f"{call}: {algorithm!r} communicates {algorithm.target.value}s, not {target.value}s, so this call "
             f"would communicate nothing; use {instead}"
         )
+
+    def _refuse_jit_level(self, call: str) -> None:
+        """Raise where ``call`` would reduce gradients that XLA has reduced already (jit level: :mod:`.mesh_step`)."""
+        if axis_bound(self.axis_name):
+            return
+        raise BaguaXError(
+            f"{call} was called where axis {self.axis_name!r} is not bound, outside jax.pmap(..., "
+            f"axis_name={self.axis_name!r}) and jax.shard_map over a mesh axis {self.axis_name!r}: at jit level the "
+            f"gradients are already XLA's mean over the sharded batch (it added its own full-precision allreduce), "
+            f"so nothing is left for {self.algorithm!r} to communicate; compute them with "
+            "(loss, grads), state = dp.value_and_grad(loss_fn)(params, *batch, state=state), which differentiates "
+            "per device and communicates, and apply them with a plain optax optimizer"
+        )
+
+    def _refuse_invariant(self, tree: Any, where: str, what: str) -> None:
+        """Raise if shard_map types ``tree``'s registered leaves as the same on every device (:mod:`.mesh_step`)."""
+        leaves = jax.tree_util.tree_leaves(tree)
+        if len(leaves) != len(self.names):
+            return  # a wrong tree: _run names what is wrong with it
+        registered = [i for b in self.bucket_leaves for i in b]
+        same = invariant_leaves([leaves[i] for i in registered], [self.names[i] for i in registered], self.axis_name)
+        if not same:
+            return
+        if what == "params":
+            fix = (f"a weight algorithm's params differ per device: pass them one copy per device "
+                   f"(dp.replicate(params, per_device=True), in_specs=P({self.axis_name!r}), [0] inside), or call "
+                   "dp.sync_params at jit level on those")
+        else:
+            fix = (f"jax.grad with respect to params passed with P() sums the gradient over the axis (JAX adds a "
+                   f"full-precision psum), so {self.algorithm!r} would average n equal sums, n times the gradient; "
+                   f"differentiate a per-device copy, jax.grad(loss)(jax.lax.pcast(params, {self.axis_name!r}, "
+                   "to='varying'), ...), or let dp.value_and_grad(loss) do it")
+        raise BaguaXError(f"{where}: jax.shard_map types the {what} {', '.join(same[:3])} as the same on every device of axis "
+                          f"{self.axis_name!r}; {fix}")
+
+    def _check_stacked(self, tree: Any, call: str) -> None:
+        """Raise unless every registered leaf of ``tree`` has a leading axis of one entry per device (jit level)."""
+        leaves = jax.tree_util.tree_leaves(tree)
+        n = step_mesh(self.mesh, self.axis_name, call).shape[self.axis_name]
+        for i in (i for b in self.bucket_leaves for i in b):
+            if i < len(leaves) and tuple(np.shape(leaves[i])) != (n,) + self._shapes[i]:
+                raise BaguaXError(
+                    f"{call} at jit level takes one copy per device of {self.algorithm!r}'s per-device values, "
+                    f"stacked along a leading axis of axis {self.axis_name!r}'s {n} devices, but leaf "
+                    f"{self.names[i]!r} has shape {tuple(np.shape(leaves[i]))}, not {(n,) + self._shapes[i]}; lay "
+                    "them out with dp.replicate(tree, per_device=True) (weights) or take them from "
+                    "dp.value_and_grad (gradients)"
+                )
 
     def _node_mean(self, flat, layout, state, comm):
         """The node's mean of ``flat`` where the algorithm runs over nodes (the communicator offers node groups
@@ -485,6 +629,7 @@ def wrap(
     check_finite: bool = False,
     devices_per_node: Optional[int] = None,
     first_step_timeout: Optional[float] = None,
+    mesh: Optional[jax.sharding.Mesh] = None,
 ) -> DataParallel:
     """Make a params pytree data parallel with ``algorithm``.
 
@@ -527,9 +672,13 @@ def wrap(
         first_step_timeout: the first step's limit under ``timeout``: it traces
             and compiles the program (default: the larger of ``timeout`` and
             600 s); a later call that compiles again (new input shapes) has ``timeout``.
+        mesh: the mesh whose ``axis_name`` axis the step-side calls shard over when
+            called at jit level (:meth:`DataParallel.value_and_grad`), and where
+            ``replicate`` / ``init`` lay trees out (default: the mesh of
+            ``jax.set_mesh`` around each call); ``world_size`` defaults to that axis's size.
 
     Returns:
         The :class:`DataParallel` object of this tree.
     """
     return DataParallel(params, algorithm, axis_name, bucket_cap_mb, world_size, pack_buckets, timeout, check_finite,
-                        devices_per_node, first_step_timeout)
+                        devices_per_node, first_step_timeout, mesh)

@@ -129,7 +129,8 @@ def refusals() -> dict:
     params = {"w": np.zeros(8, np.float32)}
     n = jax.device_count()
     attempts = {
-        "shard_map": (2, lambda dp: jax.jit(jax.shard_map(lambda g: dp.reduce_gradients(g, dp.init_state())[0],
+        "shard_map": (2, lambda dp: jax.jit(jax.shard_map(lambda g: dp.reduce_gradients(
+            jax.lax.pcast(g, "batch", to="varying"), dp.init_state())[0],
                                                           mesh=jax.make_mesh((n,), ("batch",)), in_specs=P(),
                                                           out_specs=P())).trace(params)),
         "pmap": (3, lambda dp: jax.pmap(lambda g: dp.reduce_gradients(g, dp.init_state())[0], axis_name="batch")(

@@ -71,10 +71,11 @@ def reference_pmap(params, x, y, lr: float = 1e-2):
     return jax.tree.map(lambda a: np.asarray(a[0]), p)
 
 
-def training_step(dp, lr: float, chain: bool = False, traces: list | None = None):
+def training_step(dp, lr: float, chain: bool = False, traces: list | None = None, sgd: bool = False):
     """The optimizer and the per-device step of the loops below (``traces`` counts tracings).
 
-    Gradient algorithms: reduce_gradients then adam, or (``chain``)
+    Gradient algorithms: reduce_gradients then adam (``sgd``: plain SGD, which, unlike
+    Adam, shows a gradient of the wrong scale), or (``chain``)
     ``optax.chain(dp.gradient_transformation(), adam)``; weight algorithms:
     sync_params where their phase says; QAdam: ``dp.optimizer()`` as the optimizer
     (each call refuses the algorithms it does not communicate for).
@@ -85,10 +86,11 @@ def training_step(dp, lr: float, chain: bool = False, traces: list | None = None
     from bagua_x.algorithms import Phase, Target
 
     target = dp.algorithm.target
+    inner = optax.sgd(lr) if sgd else optax.adam(lr)
     if target is Target.MOMENTUM:
         tx = dp.optimizer()
     else:
-        tx = optax.chain(dp.gradient_transformation(), optax.adam(lr)) if chain else optax.adam(lr)
+        tx = optax.chain(dp.gradient_transformation(), inner) if chain else inner
     weights = target is Target.WEIGHT
     sync_first = weights and dp.algorithm.phase is Phase.BEFORE_FORWARD
 
@@ -110,13 +112,13 @@ def training_step(dp, lr: float, chain: bool = False, traces: list | None = None
 
 
 def bagua_pmap(dp, params, x, y, lr: float = 1e-2, chain: bool = False, traces: list | None = None,
-               every_device: bool = False):
+               every_device: bool = False, sgd: bool = False):
     """Train with ``dp`` under pmap, as a user would (the demo's loop; see :func:`training_step`).
     Returns the first device's params, or with ``every_device`` all of them.
     """
     import jax
 
-    tx, step = training_step(dp, lr, chain, traces)
+    tx, step = training_step(dp, lr, chain, traces, sgd)
     p = dp.replicate(params)
     o, st = dp.replicate(tx.init(params)), dp.init()
     f = jax.pmap(step, axis_name="batch")
@@ -151,7 +153,8 @@ def bagua_shard_map(dp, params, x, y, mesh, lr: float = 1e-2, through_step: bool
 
     def step(p, o, st, xb, yb):
         p, o, st = own(p), own(o), jax.tree.map(lambda a: a[0], st)
-        g = jax.grad(loss_fn)(p, xb[0], yb[0])
+        # each device's own gradient: jax.grad with respect to replicated params would sum it over the axis
+        g = jax.grad(loss_fn)(p if per_device else jax.lax.pcast(p, "batch", to="varying"), xb[0], yb[0])
         if sync_first:
             p, st = dp.sync_params(p, st)
         u, o = tx.update(g, o, p)
@@ -175,6 +178,53 @@ def bagua_shard_map(dp, params, x, y, mesh, lr: float = 1e-2, through_step: bool
                   for a in (x, y))
         p, o, st = jax.block_until_ready(f(p, o, st, xs, ys))  # see _one_step_in_flight
     return jax.tree.map(np.asarray, dp.unreplicate(p))
+
+
+def bagua_jit(dp, params, x, y, mesh, lr: float = 1e-2):
+    """:func:`bagua_pmap`'s training (``sgd=True``) in the jit-first style: ``jax.jit`` over ``mesh``, the
+    global batch sharded along "batch", ``dp.value_and_grad`` in place of ``jax.value_and_grad``.
+
+    Gradient algorithms: params and SGD state replicated; QAdam: ``dp.optimizer()``
+    on per-device gradients; weight algorithms: params and SGD state one copy per
+    device, the update vmapped over them, ``dp.sync_params`` where the phase says.
+    Returns the first device's params and every step's loss (mean over the devices).
+    """
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from bagua_x.algorithms import Phase, Target
+
+    target = dp.algorithm.target
+    weights = target is Target.WEIGHT
+    tx = dp.optimizer() if target is Target.MOMENTUM else optax.sgd(lr)
+    update = jax.vmap(tx.update) if weights else tx.update
+    sync_first = weights and dp.algorithm.phase is Phase.BEFORE_FORWARD
+
+    @jax.jit
+    def step(p, o, st, xb, yb):
+        (loss, g), st = dp.value_and_grad(loss_fn)(p, xb, yb, state=st)
+        if sync_first:
+            p, st = dp.sync_params(p, st)
+        u, o = update(g, o, p)
+        p = optax.apply_updates(p, u)
+        if weights and not sync_first:
+            p, st = dp.sync_params(p, st)
+        return p, o, st, loss.mean()
+
+    p = dp.replicate(params, mesh, per_device=weights)
+    o = dp.replicate(tx.init(params), mesh, per_device=weights or target is Target.MOMENTUM)
+    st = dp.init(mesh=mesh)
+    data = NamedSharding(mesh, P("batch"))
+    nlocal = len(mesh.local_devices)
+    mine = slice(nlocal * jax.process_index(), nlocal * (jax.process_index() + 1))
+    losses = []
+    for s in range(x.shape[0]):
+        xs, ys = (jax.make_array_from_process_local_data(data, a[s][mine].reshape((-1,) + a.shape[3:]),
+                                                         (a.shape[1] * a.shape[2],) + a.shape[3:]) for a in (x, y))
+        p, o, st, loss = jax.block_until_ready(step(p, o, st, xs, ys))  # see _one_step_in_flight
+        losses.append(float(loss))
+    return jax.tree.map(np.asarray, dp.unreplicate(p)), losses
 
 
 # -- AxisCommunicator ops on every device, under pmap and shard_map -----------------------------------------
@@ -329,6 +379,43 @@ def parity_worker(steps: int):
     out["hierarchical"] = bagua_pmap(hierarchical, params, x[:, local], y[:, local])
     out["node_size"] = int(jax.pmap(lambda v: v * 0 + bxj.AxisCommunicator("batch").local_size,
                                     axis_name="batch")(np.zeros(2, np.int32))[0])
+    return out
+
+
+def jit_first_algorithms() -> dict:
+    """One of each kind for the jit-first tests: gradient, momentum (QAdam) and weight algorithms, flat (a 1-D
+    mesh has no node groups; the pmap loop they are compared with might otherwise run over nodes)."""
+    import dataclasses
+
+    from bagua_x.algorithms import (ByteGrad, Decentralized, DiLoCo, GradientAllReduce, LowPrecisionDecentralized,
+                                    ModelAverage, PowerSGD, QAdam)
+
+    algorithms = {"allreduce": GradientAllReduce(), "bytegrad": ByteGrad(),
+                  "powersgd": PowerSGD(min_compression_rate=1.0), "qadam": QAdam(lr=1e-2, warmup_steps=2),
+                  "decentralized": Decentralized(), "low_precision": LowPrecisionDecentralized(),
+                  "model_average": ModelAverage(period=2), "diloco": DiLoCo(sync_every=2)}
+    return {name: dataclasses.replace(a, hierarchical=False) if hasattr(a, "hierarchical") else a
+            for name, a in algorithms.items()}
+
+
+@_multiprocess
+def jit_first_worker(steps: int, lr: float):
+    """Every algorithm of :func:`jit_first_algorithms` trained jit-first (:func:`bagua_jit`) and under pmap
+    (:func:`bagua_pmap`, SGD) across 2 processes x 2 devices; both results per algorithm."""
+    import jax
+
+    import bagua_x.jax as bxj
+
+    params = make_params(seed=100 + jax.process_index())  # replicate() broadcasts process 0's
+    x, y = make_data(steps, 4)
+    mine = slice(2 * jax.process_index(), 2 * jax.process_index() + 2)
+    mesh = jax.make_mesh((4,), ("batch",))
+    out = {}
+    for name, algorithm in jit_first_algorithms().items():
+        jit_params, losses = bagua_jit(bxj.wrap(params, algorithm=algorithm, mesh=mesh), params, x, y, mesh, lr)
+        out[name] = {"jit": jit_params, "losses": losses,
+                     "pmap": bagua_pmap(bxj.wrap(params, algorithm=algorithm), params, x[:, mine], y[:, mine], lr,
+                                        sgd=True)}
     return out
 
 

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import bx_jax_workers as w
 from bagua_x.algorithms import ByteGrad, GradientAllReduce
+from bagua_x.core import BaguaXError
 from bagua_x.jax import wrap
 
 nnx = pytest.importorskip("flax.nnx", reason="needs flax: pip install -e '.[flax]'")
@@ -66,7 +67,9 @@ def train(algorithm, mode: str, x, y):
         f, batch = jax.pmap(step, axis_name="batch"), (lambda a: a)
         copies = np.asarray
     else:
-        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("batch"), P("batch")), out_specs=(P(), P())))
+        # untyped (check_vma=False): each device's own gradient, not JAX's sum over the axis (docs/jax.md)
+        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("batch"), P("batch")), out_specs=(P(), P()),
+                                  check_vma=False))
         batch = lambda a: jax.device_put(a.reshape((-1,) + a.shape[2:]), NamedSharding(mesh, P("batch")))  # noqa: E731
         copies = lambda a: np.stack([np.asarray(s.data) for s in a.addressable_shards])  # noqa: E731
     state = place(state)
@@ -77,6 +80,27 @@ def train(algorithm, mode: str, x, y):
     model, optimizer = nnx.merge(graphdef, state)
     assert int(np.asarray(optimizer.step[...]).reshape(-1)[0]) == STEPS
     return jax.tree.map(copies, nnx.as_pure(nnx.state(model, nnx.Param))), losses
+
+
+def test_typed_shard_map_gradients_summed_by_jax_are_refused(data):
+    """Under a typed shard_map (check_vma=True, the default) nnx.value_and_grad of a model passed with P() is
+    the sum over the devices, which JAX adds itself: bagua_x refuses it rather than average n equal sums."""
+    model = MLP(nnx.Rngs(0))
+    dp = wrap(nnx.as_pure(nnx.state(model, nnx.Param)), algorithm=ByteGrad())
+    graphdef, state = nnx.split((model, nnx.Optimizer(model, optax.chain(dp.gradient_transformation(),
+                                                                          optax.adam(LR)), wrt=nnx.Param)))
+
+    def step(state, xb, yb):
+        model, optimizer = nnx.merge(graphdef, state)
+        optimizer.update(model, nnx.grad(loss_fn)(model, xb, yb))
+        return nnx.state((model, optimizer))
+
+    mesh = jax.make_mesh((4,), ("batch",))
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("batch"), P("batch")), out_specs=P()))
+    x, y = (jax.device_put(a[0].reshape((-1,) + a.shape[2:]), NamedSharding(mesh, P("batch"))) for a in data)
+    with pytest.raises(BaguaXError, match=r"types the gradients .*\['l1'\]\['bias'\].* as the same on every "
+                                          r"device of axis 'batch'.*n times the gradient"):
+        f(dp.replicate(state, mesh), x, y)
 
 
 def max_error(got, ref):
