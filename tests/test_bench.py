@@ -64,8 +64,14 @@ def test_jax_rows_on_a_cluster(tmp_path):
         {**os.environ, "OMP_NUM_THREADS": "1"})
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert [(r["what"], r["baseline"]) for r in rows] == [
-        ("bytegrad", "per-leaf pmean"), ("bytegrad", "bagua_x allreduce"), ("bytegrad", "compute only")]
+        ("bytegrad", "per-leaf pmean"), ("bytegrad", "bagua_x allreduce"), ("bytegrad", "compute only"),
+        ("jit:allreduce", "XLA's reduction (jit)"), ("jit:bytegrad", "XLA's reduction (jit)"),
+        ("jit:bytegrad/mesh2d", "XLA's reduction (jit)")]
     assert {(r["frontend"], r["link"], r["model"]) for r in rows} == {("jax", "2x1 1gbit", "mlp")}
+    jit_rows, rows = rows[3:], rows[:3]
+    xla = jit_rows[0]["baseline_ms"]
+    assert all(r["baseline_ms"] == xla and r["ratio"] == pytest.approx(r["bagua_x_ms"] / xla) for r in jit_rows)
+    assert len({r["bagua_x_ms"] for r in jit_rows} | {xla}) == 4, jit_rows  # four systems timed
     bytegrad = rows[0]["bagua_x_ms"]
     for r in rows:
         assert r["bagua_x_ms"] == bytegrad and r["ratio"] == pytest.approx(bytegrad / r["baseline_ms"]), r

@@ -167,14 +167,16 @@ def measure_cluster(args) -> list[dict]:
                              "baseline_ms": r["ms"][ddp], "bagua_x_ms": r["ms"][name], "ratio": ratio})
                 rows.append(_against(base, name, "compute only", r["ms"]["compute"], r["ms"][name]))
             continue
-        r = _run_on_cluster("jax_cluster_step", ["--model", model, "--algorithms", *args.algorithms, *steps], args,
-                            {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"})
+        r = _run_on_cluster("jax_cluster_step", ["--model", model, "--algorithms", *args.algorithms, "--jit", *steps],
+                            args, {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"})
         ms = r["ms"]
         for name in args.algorithms:
             rows.append(_against(base, name, "per-leaf pmean", ms["pmean"], ms[name]))
             if name != "allreduce":
                 rows.append(_against(base, name, "bagua_x allreduce", ms["allreduce"], ms[name]))
             rows.append(_against(base, name, "compute only", ms["compute"], ms[name]))
+        for name in (n for n in ms if n.startswith("jit:") and n != "jit:xla"):  # the jit-first style
+            rows.append(_against(base, name, "XLA's reduction (jit)", ms["jit:xla"], ms[name]))
     return rows
 
 

@@ -58,15 +58,22 @@ class AxisCommunicator:
     >= 2 nodes under ``pmap`` it offers ``Feature.HIERARCHICAL``: ``within``
     and ``across`` are the same collectives on groups of the axis
     (``axis_index_groups``).  Under ``shard_map`` JAX has no grouped
-    collectives, so it offers none, and neither does an axis that does not
-    split into nodes of ``local_size``: :meth:`node_problem` says why, and a
-    frontend refuses an algorithm that requires the feature.
+    collectives, so on one axis it offers none, and neither does an axis that
+    does not split into nodes of ``local_size``: :meth:`node_problem` says why,
+    and a frontend refuses an algorithm that requires the feature.  A 2-D mesh
+    expresses the nodes itself: ``axis_name=("node", "local")`` spans both
+    axes (ranks node-major), and with >= 2 nodes ``within`` is the "local"
+    axis and ``across`` the "node" axis, plain collectives under ``shard_map``.
     """
 
     def __init__(self, axis_name: Hashable = "batch", local_size: Optional[int] = None):
         self.axis_name = axis_name
         self._size = axis_size(axis_name)
-        self.local_size = int(local_size or min(default_local_size(), self._size))
+        self._mesh_levels = isinstance(axis_name, tuple) and len(axis_name) == 2  # ("node", "local")
+        if self._mesh_levels:  # the mesh says where the nodes are
+            self.local_size = axis_size(axis_name[1])
+        else:
+            self.local_size = int(local_size or min(default_local_size(), self._size))
         self._groups: Optional[list[list[int]]] = None  # None: the whole axis
         self._features: Optional[frozenset[Feature]] = None
         self._problem: Optional[str] = None
@@ -92,6 +99,8 @@ class AxisCommunicator:
     def within(self) -> "AxisCommunicator":
         """The devices of this device's node."""
         self._need_nodes()
+        if self._mesh_levels:
+            return _level(self.axis_name[1])
         local, nodes = self.local_size, self._size // self.local_size
         return _Group(self.axis_name, [[n * local + i for i in range(local)] for n in range(nodes)],
                       lambda index: index % local)
@@ -100,6 +109,8 @@ class AxisCommunicator:
     def across(self) -> "AxisCommunicator":
         """The devices at this device's place in every node, one per node."""
         self._need_nodes()
+        if self._mesh_levels:
+            return _level(self.axis_name[0])
         local, nodes = self.local_size, self._size // self.local_size
         return _Group(self.axis_name, [[n * local + i for n in range(nodes)] for i in range(local)],
                       lambda index: index // local)
@@ -181,6 +192,8 @@ class AxisCommunicator:
 
     def _node_features(self) -> frozenset[Feature]:
         local = self.local_size
+        if self._mesh_levels:  # a 2-D mesh: plain collectives over either axis, no groups needed
+            return frozenset({Feature.HIERARCHICAL}) if self._size // local >= 2 else frozenset()
         if local < 1 or self._size % local:
             self._problem = (f"axis {self.axis_name!r} has {self._size} devices, which do not split into nodes of "
                              f"{local} (wrap(devices_per_node=...), default jax.local_device_count() x "
@@ -212,6 +225,13 @@ class AxisCommunicator:
                 f"{what} needs an array whose first dimension is the {'group' if self._groups else 'axis'} size "
                 f"{self.size}, got shape {tuple(x.shape)}"
             )
+
+
+def _level(axis_name: Hashable) -> AxisCommunicator:
+    """The collectives over one axis of a 2-D mesh (a node's devices, or one device per node): flat."""
+    comm = AxisCommunicator(axis_name, local_size=1)
+    comm._features = frozenset()
+    return comm
 
 
 class _Group(AxisCommunicator):

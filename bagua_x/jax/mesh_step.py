@@ -34,7 +34,7 @@ from jax import lax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..core.errors import BaguaXError
-from .placement import context_mesh
+from .placement import axis_names, check_mesh_axis, context_mesh
 
 __all__ = ["Layout", "axis_bound", "step_mesh", "shard_over", "per_device", "invariant_leaves"]
 
@@ -65,9 +65,8 @@ def step_mesh(mesh: Optional[Mesh], axis_name: Hashable, call: str) -> Union[Mes
         except ValueError:  # inside jax.jit: get_mesh refuses, the abstract one is the context's
             abstract = jax.sharding.get_abstract_mesh()
             mesh = None if abstract.empty else abstract
-            if mesh is not None and axis_name not in mesh.axis_names:
-                raise BaguaXError(f"the mesh set with jax.set_mesh has axes {list(mesh.axis_names)}, none of them "
-                                  f"the wrap's axis_name {axis_name!r}; wrap with one of those axis names")
+            if mesh is not None:
+                check_mesh_axis(mesh, axis_name, "the mesh set with jax.set_mesh")
     if mesh is None:
         raise BaguaXError(
             f"{call} was called where axis {axis_name!r} is not bound, outside jax.pmap(..., axis_name="
@@ -80,7 +79,8 @@ def step_mesh(mesh: Optional[Mesh], axis_name: Hashable, call: str) -> Union[Mes
 
 def _laid_out(x: Any, mesh: Mesh, spec: PartitionSpec) -> Any:
     """``x`` constrained to ``spec`` (shard_map over an explicit axis takes only inputs laid out as its specs)."""
-    explicit = any(mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit for a in spec if a is not None)
+    named = [a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))]
+    explicit = any(mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit for a in named)
     if explicit:
         return jax.sharding.reshard(x, NamedSharding(mesh, spec))
     return lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
@@ -137,9 +137,10 @@ def per_device(tree: Any, axis_name: Hashable) -> Any:
     cast = getattr(lax, "pcast", None)
 
     def one(x):
-        if axis_name in _varying(x):
+        missing = tuple(a for a in axis_names(axis_name) if a not in _varying(x))
+        if not missing:
             return x
-        return cast(x, axis_name, to="varying") if cast is not None else lax.pvary(x, axis_name)
+        return cast(x, missing, to="varying") if cast is not None else lax.pvary(x, missing)
 
     return jax.tree.map(one, tree)
 
@@ -148,4 +149,4 @@ def invariant_leaves(leaves: Sequence[Any], names: Sequence[str], axis_name: Has
     """The names of ``leaves`` that typed shard_map says are the same on every device of ``axis_name``."""
     if not _vma_checked():
         return []
-    return [n for n, x in zip(names, leaves) if axis_name not in _varying(x)]
+    return [n for n, x in zip(names, leaves) if not set(axis_names(axis_name)) <= _varying(x)]

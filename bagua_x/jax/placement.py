@@ -28,7 +28,26 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core.errors import BaguaXError
 
-__all__ = ["replicate", "unreplicate", "from_process0", "context_mesh"]
+__all__ = ["replicate", "unreplicate", "from_process0", "context_mesh", "axis_names", "mesh_axis_size"]
+
+
+def axis_names(axis_name: Hashable) -> tuple:
+    """The mesh axes the wrap's ``axis_name`` stands for: one name, or a tuple of two, ``("node", "local")``:
+    nodes along the first, a node's devices along the second (the two levels on a 2-D mesh)."""
+    return tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def mesh_axis_size(mesh: Any, axis_name: Hashable) -> int:
+    """The devices along ``axis_name`` of ``mesh`` (a tuple: the product of its axes)."""
+    return int(np.prod([mesh.shape[a] for a in axis_names(axis_name)]))
+
+
+def check_mesh_axis(mesh: Any, axis_name: Hashable, which: str = "the mesh") -> None:
+    """Raise unless ``mesh`` has every axis ``axis_name`` names."""
+    missing = [a for a in axis_names(axis_name) if a not in mesh.axis_names]
+    if missing:
+        raise BaguaXError(f"{which} has axes {list(mesh.axis_names)}, not {missing[0]!r} of the wrap's axis_name "
+                          f"{axis_name!r}; pass a mesh with that axis, or wrap with axis names the mesh has")
 
 
 def from_process0(tree: Any) -> Any:
@@ -45,9 +64,7 @@ def context_mesh(axis_name: Hashable) -> Optional[Mesh]:
     mesh = get_mesh() if get_mesh is not None else None
     if mesh is None or mesh.empty:
         return None
-    if axis_name not in mesh.axis_names:
-        raise BaguaXError(f"the mesh set with jax.set_mesh has axes {list(mesh.axis_names)}, none of them the "
-                          f"wrap's axis_name {axis_name!r}; wrap with one of those axis names")
+    check_mesh_axis(mesh, axis_name, "the mesh set with jax.set_mesh")
     return mesh
 
 
@@ -56,15 +73,17 @@ def replicate(tree: Any, axis_name: Hashable, mesh: Optional[Mesh] = None, per_d
     ``jax.set_mesh`` around the call)."""
     host = from_process0(tree)
     mesh = mesh if mesh is not None else context_mesh(axis_name)
-    if mesh is not None and axis_name not in mesh.axis_names:
-        raise BaguaXError(f"the mesh has axes {list(mesh.axis_names)}, none of them the wrap's axis_name "
-                          f"{axis_name!r}; pass a mesh with that axis, or wrap with one of those axis names")
+    if mesh is not None:
+        check_mesh_axis(mesh, axis_name)
+    elif isinstance(axis_name, tuple):
+        raise BaguaXError(f"the wrap's axis_name {axis_name!r} names the axes of a 2-D mesh, and there is no mesh "
+                          "here: pass mesh=, wrap(mesh=...), or call inside jax.set_mesh(mesh)")
     if mesh is None:
         devices = jax.local_devices()
         stacked = NamedSharding(Mesh(np.array(devices), (axis_name,)), PartitionSpec(axis_name))
         return jax.tree.map(lambda x: jax.device_put(np.stack([x] * len(devices)), stacked), host)
     if per_device:
-        n = mesh.shape[axis_name]
+        n = mesh_axis_size(mesh, axis_name)
         host = jax.tree.map(lambda x: np.broadcast_to(x, (n,) + np.shape(x)), host)
     sharding = NamedSharding(mesh, PartitionSpec(axis_name) if per_device else PartitionSpec())
     return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]), host)

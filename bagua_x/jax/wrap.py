@@ -41,6 +41,7 @@ from .communicator import AxisCommunicator, default_local_size
 from .distributed import check_same_across_processes, heartbeat_timeout
 from .mesh_step import Layout, axis_bound, invariant_leaves, per_device, shard_over, step_mesh
 from .node_form import StepForms, measured_form, run_in_form, storable, with_form
+from .placement import check_mesh_axis, mesh_axis_size
 from .placement import replicate as _replicate
 from .placement import unreplicate as _unreplicate
 from .watchdog import StepWatchdog
@@ -72,9 +73,8 @@ class DataParallel:
         mesh: Optional[jax.sharding.Mesh] = None,
     ):
         self.algorithm = algorithm if algorithm is not None else GradientAllReduce()
-        if mesh is not None and axis_name not in mesh.axis_names:
-            raise BaguaXError(f"bagua_x.jax.wrap: the mesh has axes {list(mesh.axis_names)}, none of them axis_name "
-                              f"{axis_name!r}; pass axis_name= one of them, or a mesh with that axis")
+        if mesh is not None:
+            check_mesh_axis(mesh, axis_name, "bagua_x.jax.wrap: the mesh")
         self.mesh = mesh
         self.devices_per_node = devices_per_node
         if self.algorithm.phase is Phase.BACKGROUND:
@@ -85,7 +85,7 @@ class DataParallel:
             )
         self.axis_name = axis_name
         if world_size is None:
-            world_size = mesh.shape[axis_name] if mesh is not None else jax.device_count()
+            world_size = mesh_axis_size(mesh, axis_name) if mesh is not None else jax.device_count()
         self.world_size = int(world_size)
         flat, self._treedef = jax.tree_util.tree_flatten_with_path(params)
         self.names = [jax.tree_util.keystr(path) for path, _ in flat]
@@ -148,8 +148,10 @@ class DataParallel:
                 "trainable float parameters (flax: nnx.state(model, nnx.Param))"
             )
         # hierarchical=None on nodes: flat or over nodes, timed here (every process wraps); None: not measured
-        two_level = measured_form(self.algorithm, self.layouts, axis_name, self.world_size,
-                                  devices_per_node or min(default_local_size(), self.world_size))
+        # (a 2-D mesh's axes say where the nodes are: its two levels are not timed against flat)
+        two_level = None if isinstance(axis_name, tuple) else measured_form(
+            self.algorithm, self.layouts, axis_name, self.world_size,
+            devices_per_node or min(default_local_size(), self.world_size))
         # then, through dp.step, a trial of whole training steps decides
         self._forms = StepForms(self.algorithm, axis_name, two_level) if two_level is not None else None
         logger.info(
@@ -507,7 +509,7 @@ class DataParallel:
     def _check_stacked(self, tree: Any, call: str) -> None:
         """Raise unless every registered leaf of ``tree`` has a leading axis of one entry per device (jit level)."""
         leaves = jax.tree_util.tree_leaves(tree)
-        n = step_mesh(self.mesh, self.axis_name, call).shape[self.axis_name]
+        n = mesh_axis_size(step_mesh(self.mesh, self.axis_name, call), self.axis_name)
         for i in (i for b in self.bucket_leaves for i in b):
             if i < len(leaves) and tuple(np.shape(leaves[i])) != (n,) + self._shapes[i]:
                 raise BaguaXError(
@@ -642,9 +644,12 @@ def wrap(
     Args:
         params: the params pytree; its key paths name the leaves in every message.
         algorithm: default :class:`~bagua_x.algorithms.GradientAllReduce`.
-        axis_name: the ``pmap`` / ``shard_map`` axis the step runs over.
+        axis_name: the ``pmap`` / ``shard_map`` axis the step runs over; on a 2-D
+            mesh a tuple ``("node", "local")``: nodes along the first axis, a
+            node's devices along the second, the two levels of the hierarchical
+            algorithms (:class:`~.communicator.AxisCommunicator`).
         bucket_cap_mb: the largest bucket (leaves are packed per dtype up to it).
-        world_size: the axis size (default ``jax.device_count()``, all devices of
+        world_size: the axis size (default: that of ``mesh``, else ``jax.device_count()``, all devices of
             all processes: call :func:`~.distributed.init_distributed` before ``wrap``).
         pack_buckets: one collective per bucket (True) or per leaf (False);
             default automatic.  Algorithms that need padding always pack.

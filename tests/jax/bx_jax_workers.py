@@ -98,7 +98,7 @@ def training_step(dp, lr: float, chain: bool = False, traces: list | None = None
         if traces is not None:
             traces.append(1)
         g = jax.grad(loss_fn)(p, xb, yb)
-        if target is Target.GRAD and not chain:
+        if (target is Target.GRAD and not chain) or dp.algorithm.averages_gradients_in_node:  # DiLoCo: node mean
             g, st = dp.reduce_gradients(g, st)
         if sync_first:
             p, st = dp.sync_params(p, st)
@@ -215,7 +215,7 @@ def bagua_jit(dp, params, x, y, mesh, lr: float = 1e-2):
     p = dp.replicate(params, mesh, per_device=weights)
     o = dp.replicate(tx.init(params), mesh, per_device=weights or target is Target.MOMENTUM)
     st = dp.init(mesh=mesh)
-    data = NamedSharding(mesh, P("batch"))
+    data = NamedSharding(mesh, P(dp.axis_name))
     nlocal = len(mesh.local_devices)
     mine = slice(nlocal * jax.process_index(), nlocal * (jax.process_index() + 1))
     losses = []
@@ -413,6 +413,46 @@ def jit_first_worker(steps: int, lr: float):
     out = {}
     for name, algorithm in jit_first_algorithms().items():
         jit_params, losses = bagua_jit(bxj.wrap(params, algorithm=algorithm, mesh=mesh), params, x, y, mesh, lr)
+        out[name] = {"jit": jit_params, "losses": losses,
+                     "pmap": bagua_pmap(bxj.wrap(params, algorithm=algorithm), params, x[:, mine], y[:, mine], lr,
+                                        sgd=True)}
+    return out
+
+
+def two_level_algorithms() -> dict:
+    """Algorithms with a two-level form, asked for it (hierarchical=True), for the 2-D mesh tests."""
+    from bagua_x.algorithms import ByteGrad, Decentralized, DiLoCo, GradientAllReduce, QAdam
+
+    return {"allreduce": GradientAllReduce(hierarchical=True), "bytegrad": ByteGrad(hierarchical=True),
+            "decentralized": Decentralized(hierarchical=True),
+            "qadam": QAdam(lr=1e-2, warmup_steps=2, hierarchical=True),
+            "diloco": DiLoCo(sync_every=2, hierarchical=True)}
+
+
+def node_mesh():
+    """A ("node", "local") mesh with a process's devices as one node (node-major, as the pmap axis)."""
+    import jax
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return jax.sharding.Mesh(np.array(devices).reshape(jax.process_count(), -1), ("node", "local"))
+
+
+@_multiprocess
+def two_level_mesh_worker(steps: int, lr: float):
+    """Each algorithm of :func:`two_level_algorithms` jit-first on a 2 x 2 ("node", "local") mesh whose nodes
+    are the processes, and under pmap with node groups (LOCAL_WORLD_SIZE=1: a process is a node)."""
+    import jax
+
+    import bagua_x.jax as bxj
+
+    params = make_params(seed=100 + jax.process_index())
+    x, y = make_data(steps, 4)
+    mine = slice(2 * jax.process_index(), 2 * jax.process_index() + 2)
+    mesh = node_mesh()
+    out = {}
+    for name, algorithm in two_level_algorithms().items():
+        dp = bxj.wrap(params, algorithm=algorithm, axis_name=("node", "local"), mesh=mesh)
+        jit_params, losses = bagua_jit(dp, params, x, y, mesh, lr)
         out[name] = {"jit": jit_params, "losses": losses,
                      "pmap": bagua_pmap(bxj.wrap(params, algorithm=algorithm), params, x[:, mine], y[:, mine], lr,
                                         sgd=True)}

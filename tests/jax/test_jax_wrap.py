@@ -116,10 +116,10 @@ def test_replicate_follows_the_mesh_of_set_mesh():
     assert rep["l1"]["w"].sharding.spec == jax.sharding.PartitionSpec()
     assert per["l1"]["w"].shape == (4, w.IN, w.HIDDEN) and per["l1"]["w"].sharding.spec[0] == "batch"
     assert_trees_close(dp.unreplicate(rep), params, atol=0)
-    with pytest.raises(BaguaXError, match=r"the mesh has axes \['data'\], none of them the wrap's axis_name 'batch'"):
+    with pytest.raises(BaguaXError, match=r"the mesh has axes \['data'\], not 'batch' of the wrap's axis_name 'batch'"):
         dp.init(mesh=jax.make_mesh((4,), ("data",)))
     with jax.set_mesh(jax.make_mesh((4,), ("data",))):
-        with pytest.raises(BaguaXError, match=r"has axes \['data'\], none of them the wrap's axis_name 'batch'"):
+        with pytest.raises(BaguaXError, match=r"has axes \['data'\], not 'batch' of the wrap's axis_name 'batch'"):
             dp.replicate(params)
 
 

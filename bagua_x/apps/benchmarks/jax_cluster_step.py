@@ -5,7 +5,8 @@ compute-only floor, in one job.
         bagua-x cluster --nodes 2 --nproc-per-node 2 --inter-node 1gbit -- \\
         python -m bagua_x.apps.benchmarks.jax_cluster_step --model transformer [--json OUT]
 
-(``bagua-x bench --nodes 2 --nproc-per-node 2`` runs it per model.)  Every
+(``bagua-x bench --nodes 2 --nproc-per-node 2`` runs it per model; ``--jit`` adds the
+jit-first style, :func:`build_jit_system`.)  Every
 rank is one JAX process with one CPU device, joined by
 ``bagua_x.jax.init_distributed`` (gloo collectives across processes).  Each
 builds a model of ``jax_zoo.py`` once per system, as a pmapped training step
@@ -99,6 +100,71 @@ def build_system(name: str, model: str, rank: int):
     return lambda carry: guarded(*carry), (placed, jax.pmap(tx.init)(placed), state), measured
 
 
+def build_jit_system(name: str, model: str, rank: int):
+    """:func:`build_system`'s step in the jit-first style: ``jax.jit`` over a mesh of every process's device,
+    the global batch sharded along it.  ``xla``: plain ``jax.value_and_grad`` of the global batch's loss
+    (XLA adds its own reductions: the jit-first baseline); an algorithm through ``dp.value_and_grad`` on a
+    1-D mesh (flat), or with ``/mesh2d`` on a ``("node", "local")`` mesh of ``LOCAL_WORLD_SIZE`` processes
+    a node (two levels where the algorithm has them).  Returns the step, its first carry, and False (no
+    form is timed)."""
+    import os
+
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from bagua_x.algorithms import Phase, Target
+
+    from . import jax_zoo
+
+    params, apply = jax_zoo.build(model)
+    x, y = jax_zoo.batch(model, rank)  # this process's part of the global batch
+    algorithm, _, form = name.partition("/")
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) * jax.local_device_count()
+    axis = ("node", "local") if form == "mesh2d" else AXIS
+    mesh = Mesh(devices.reshape(-1, per_node), axis) if form == "mesh2d" else Mesh(devices, (AXIS,))
+    batch = NamedSharding(mesh, P(axis))
+    xs, ys = (jax.make_array_from_process_local_data(batch, a, (a.shape[0] * jax.process_count(),) + a.shape[1:])
+              for a in (x, y))
+
+    def loss_fn(p, xb, yb):
+        return optax.softmax_cross_entropy_with_integer_labels(apply(p, xb), yb).mean()
+
+    sgd = optax.sgd(0.01, momentum=0.9)
+    if algorithm == "xla":
+        tx = sgd
+
+        def step(p, o, state):
+            grads = jax.grad(loss_fn)(p, xs, ys)
+            updates, o = tx.update(grads, o, p)
+            return optax.apply_updates(p, updates), o, state
+
+        placed = jax.device_put(params, NamedSharding(mesh, P()))
+        carry = (placed, jax.jit(tx.init)(placed), ())
+    else:
+        dp = bxj.wrap(params, algorithm=make_algorithm(algorithm), axis_name=axis, mesh=mesh)
+        target = dp.algorithm.target
+        weights = target is Target.WEIGHT
+        tx = dp.optimizer() if target is Target.MOMENTUM else sgd
+        update = jax.vmap(tx.update) if weights else tx.update
+        sync_first = weights and dp.algorithm.phase is Phase.BEFORE_FORWARD
+
+        def step(p, o, state):
+            (_, grads), state = dp.value_and_grad(loss_fn)(p, xs, ys, state=state)
+            if sync_first:
+                p, state = dp.sync_params(p, state)
+            updates, o = update(grads, o, p)
+            p = optax.apply_updates(p, updates)
+            if weights and not sync_first:
+                p, state = dp.sync_params(p, state)
+            return p, o, state
+
+        carry = (dp.replicate(params, per_device=weights),
+                 dp.replicate(tx.init(params), per_device=weights or target is Target.MOMENTUM), dp.init())
+    jitted = jax.jit(step, donate_argnums=(0, 1, 2))
+    return lambda c: jax.block_until_ready(jitted(*c)), carry, False
+
+
 def timed(step, carry, steps: int):
     """``steps`` steps from ``carry``; (the last carry, seconds per step), between two syncs of every process."""
     from jax.experimental import multihost_utils
@@ -123,10 +189,14 @@ def run(args) -> dict:
     if args.forms:  # the algorithms whose default is measured: hierarchical=None
         names += [f"{a}/{form}" for a in args.algorithms
                   if getattr(make_algorithm(a), "hierarchical", False) is None for form in FORMS]
+    if args.jit:  # the same algorithms in the jit-first style, beside XLA's own reduction
+        names += ["jit:xla"] + [f"jit:{a}" for a in ["allreduce"] + [a for a in args.algorithms if a != "allreduce"]]
+        names += [f"jit:{a}/mesh2d" for a in args.algorithms if getattr(make_algorithm(a), "hierarchical", False) is None]
     systems, carries = {}, {}
     trial = StepTrial().steps + 1  # a measured default runs its trial of both forms and decides within its warm-up
     for name in names:
-        systems[name], carry, measured = build_system(name, args.model, rank)
+        build = build_jit_system if name.startswith("jit:") else build_system
+        systems[name], carry, measured = build(name.removeprefix("jit:"), args.model, rank)
         carries[name], _ = timed(systems[name], carry, max(args.warmup, trial) if measured else args.warmup)
     times = {n: [] for n in names}
     for round_ in range(args.rounds):
@@ -145,6 +215,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
     parser.add_argument("--forms", action="store_true",
                         help="also run each measured default forced flat and forced two-level")
+    parser.add_argument("--jit", action="store_true",
+                        help="also run the jit-first style (jit:<name>, dp.value_and_grad over a mesh; jit:xla is "
+                             "XLA's own reduction; jit:<name>/mesh2d two levels on a (node, local) mesh)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
 
