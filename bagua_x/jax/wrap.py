@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -208,7 +208,8 @@ class DataParallel:
         return self.replicate(jax.device_get(self.init_state(params)), mesh, per_device=True)
 
     # -- inside the step ----------------------------------------------------------------------
-    def value_and_grad(self, fun: Callable, has_aux: bool = False) -> Callable:
+    def value_and_grad(self, fun: Callable, has_aux: bool = False,
+                       batch_argnums: Optional[Sequence[int]] = None) -> Callable:
         """``jax.value_and_grad(fun)`` per device, then this wrap's gradient communication: the one call
         that is right in a ``jax.jit`` step over a mesh, inside ``jax.shard_map`` and inside ``jax.pmap``.
 
@@ -221,8 +222,10 @@ class DataParallel:
         the node), for an optimizer per device and then :meth:`sync_params`.
 
         Called at jit level (outside ``pmap`` / ``shard_map``), it runs its own ``jax.shard_map`` over
-        the wrap's axis of the wrap's mesh or the one of ``jax.set_mesh``: each argument after the params
-        is a batch split along its first axis; the state is the one of ``dp.init()``; the params are
+        the wrap's axis of the wrap's mesh or the one of ``jax.set_mesh``: the arguments ``batch_argnums``
+        names (positions in ``fun``'s arguments; default every one after the params) are batches split
+        along their first axis, the others (a model's batch statistics...) the same on every device;
+        the state is the one of ``dp.init()``; the params are
         replicated, except for weight algorithms, whose params are one copy per device
         (``dp.replicate(params, per_device=True)``).  The loss (and ``aux``) come out with a leading axis
         of one entry per device: ``loss.mean()`` is the global batch's loss, at the cost of one scalar
@@ -252,7 +255,12 @@ class DataParallel:
             params_layout = stacked if algorithm.target is Target.WEIGHT else replicated
             grads_layout = replicated if algorithm.target is Target.GRAD else stacked
             mesh = step_mesh(self.mesh, self.axis_name, where)
-            mapped = shard_over(on_device, mesh, self.axis_name, [params_layout, stacked] + [Layout.SPLIT] * len(args),
+            batches = set(range(1, len(args) + 1) if batch_argnums is None else batch_argnums)
+            if not batches <= set(range(1, len(args) + 1)):
+                raise BaguaXError(f"{where}: batch_argnums={tuple(batch_argnums)} names positions of fun's "
+                                  f"arguments after the params, 1 to {len(args)} here")
+            args_layouts = [Layout.SPLIT if i in batches else replicated for i in range(1, len(args) + 1)]
+            mapped = shard_over(on_device, mesh, self.axis_name, [params_layout, stacked] + args_layouts,
                                 (out_layout, grads_layout, stacked))
             out, grads, state = mapped(params, state, *args)
             return (out, grads), state

@@ -143,10 +143,49 @@ def test_bytegrad_trains_close_to_pmean(reference, data, mode):
     assert losses[-1] < 0.5 * losses[0], losses  # seen: 0.43 -> 0.16
 
 
-def test_example_runs():
+def test_nnx_jit_step_equals_plain_nnx_jit():
+    """``examples/jax_nnx_jit_train.py``'s ``nnx.jit`` step with GradientAllReduce and SGD against the same
+    ``nnx.jit`` loop with ``nnx.value_and_grad`` over the sharded batch (XLA's own reduction)."""
+    import importlib.util
+
+    from jax.sharding import AxisType
+
+    spec = importlib.util.spec_from_file_location("jax_nnx_jit_train", ROOT / "examples/jax_nnx_jit_train.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    mesh = jax.make_mesh((4,), ("batch",), axis_types=(AxisType.Auto,))  # XLA's own step: no out_sharding needed
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(STEPS, 32, 8)).astype(np.float32)
+    ys = np.sin(xs.sum(-1, keepdims=True))
+    batch = lambda a: jax.device_put(a, NamedSharding(mesh, P("batch")))  # noqa: E731
+
+    @nnx.jit
+    def plain_step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    plain = example.MLP(nnx.Rngs(0))
+    plain_opt = nnx.Optimizer(plain, optax.sgd(0.1), wrt=nnx.Param)
+    ours = example.MLP(nnx.Rngs(0))
+    dp = wrap(nnx.to_pure_dict(nnx.state(ours, nnx.Param)), algorithm=GradientAllReduce(), mesh=mesh)
+    ours_opt, step, state = nnx.Optimizer(ours, optax.sgd(0.1), wrt=nnx.Param), example.train_step(dp), dp.init()
+    for x, y in zip(xs, ys):
+        want = plain_step(plain, plain_opt, batch(x), batch(y))
+        loss, state = step(ours, ours_opt, state, batch(x), batch(y))
+        np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    got, ref = (jax.tree.leaves(nnx.to_pure_dict(nnx.state(m, nnx.Param))) for m in (ours, plain))
+    start = jax.tree.leaves(nnx.to_pure_dict(nnx.state(example.MLP(nnx.Rngs(0)), nnx.Param)))
+    assert len(got) == len(ref) == len(start) == 4
+    assert max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(got, ref)) <= 1e-6  # seen: 0
+    assert max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(ref, start)) > 1e-2  # it trained
+
+
+@pytest.mark.parametrize("example", [EXAMPLE, "examples/jax_nnx_jit_train.py"])
+def test_example_runs(example):
     """``python examples/...`` puts examples/ first on sys.path, not the checkout: PYTHONPATH makes the run
     import this checkout's bagua_x rather than whichever one is installed."""
-    out = subprocess.run([sys.executable, EXAMPLE], cwd=ROOT, capture_output=True, text=True, timeout=180,
+    out = subprocess.run([sys.executable, example], cwd=ROOT, capture_output=True, text=True, timeout=180,
                          env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
                               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -147,3 +147,71 @@ def test_typed_shard_map_gradients_of_replicated_params_are_refused(setup):
         step(cast=False)(*args)
     want = jax.grad(w.loss_fn)(params, x[0].reshape(-1, w.IN), y[0].reshape(-1, w.OUT))
     assert max_difference(step(cast=True)(*args), want) <= 1e-6
+
+
+def test_a_model_with_batch_statistics_trains_jit_first_as_under_pmap():
+    """BatchNorm's running statistics are state beside the params: an argument the same on every device
+    (``batch_argnums`` names the batch), returned as ``aux`` one per device, and averaged; equal to the pmap
+    loop that pmeans gradients and statistics (each device normalises by its own part of the batch)."""
+    nnx = pytest.importorskip("flax.nnx", reason="needs flax: pip install -e '.[flax]'")
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(3, 8, (3, 3), use_bias=False, rngs=rngs)
+            self.bn = nnx.BatchNorm(8, momentum=0.5, rngs=rngs)
+            self.head = nnx.Linear(8, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(jax.nn.relu(self.bn(self.conv(x))).mean(axis=(1, 2)))
+
+    graphdef, params, stats = nnx.split(Net(nnx.Rngs(0)), nnx.Param, ...)
+    params, stats = nnx.to_pure_dict(params), nnx.to_pure_dict(stats)
+
+    def loss(p, stats, x, y):
+        model = nnx.merge(graphdef, p, stats)
+        logits = model(x)
+        return (optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
+                nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(4, N, 4, 6, 6, 3)).astype(np.float32) * (1 + np.arange(N))[:, None, None, None, None]
+    ys = rng.integers(0, 4, (4, N, 4)).astype(np.int32)
+
+    def reference():
+        def step(p, s, x, y):
+            g, s = jax.grad(loss, has_aux=True)(p, s, x, y)
+            g, s = jax.lax.pmean((g, s), "batch")
+            return jax.tree.map(lambda a, b: a - LR * b, p, g), s
+        f = jax.pmap(step, axis_name="batch")
+        p, s = (jax.tree.map(lambda a: np.stack([np.asarray(a)] * N), t) for t in (params, stats))
+        for x, y in zip(xs, ys):
+            p, s = f(p, s, x, y)
+        return jax.tree.map(lambda a: np.asarray(a[0]), (p, s))
+
+    mesh = jax.make_mesh((N,), ("batch",))
+
+    def jit_first(algorithm):
+        dp = wrap(params, algorithm=algorithm, mesh=mesh)
+
+        @jax.jit
+        def step(p, s, st, x, y):
+            ((_, s), g), st = dp.value_and_grad(loss, has_aux=True, batch_argnums=(2, 3))(p, s, x, y, state=st)
+            assert jax.tree.leaves(s)[0].shape[0] == N  # one per device
+            return jax.tree.map(lambda a, b: a - LR * b, p, g), jax.tree.map(lambda a: a.mean(0), s), st
+
+        p, s, st = dp.replicate(params), dp.replicate(stats), dp.init()
+        for x, y in zip(xs, ys):
+            p, s, st = step(p, s, st, global_batch(x, mesh), global_batch(y, mesh))
+        return jax.tree.map(np.asarray, (p, s))
+
+    want = reference()
+    moved = max(float(np.abs(a - np.asarray(b)).max()) for a, b in zip(jax.tree.leaves(want[1]),
+                                                                          jax.tree.leaves(stats)))
+    assert moved > 0.1  # the running statistics moved (the inputs' scale differs per device)
+    # seen: 7e-9 (summation order), and 5e-4 for ByteGrad's 8 bits
+    for algorithm, tolerance in ((GradientAllReduce(), 1e-6), (ByteGrad(), 5e-3)):
+        got = jit_first(algorithm)
+        assert len(jax.tree.leaves(got)) == len(jax.tree.leaves(want)) == 7  # 5 params, the mean and the var
+        errors = [float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+        assert max(errors) <= tolerance, (type(algorithm).__name__, errors)
+    assert max(errors) > 0  # ByteGrad's 8 bits are not allreduce

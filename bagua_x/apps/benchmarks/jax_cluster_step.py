@@ -10,7 +10,9 @@ jit-first style, :func:`build_jit_system`.)  Every
 rank is one JAX process with one CPU device, joined by
 ``bagua_x.jax.init_distributed`` (gloo collectives across processes).  Each
 builds a model of ``jax_zoo.py`` once per system, as a pmapped training step
-(SGD with momentum; QAdam is its own optimizer): ``compute`` (the gradients
+(SGD with momentum; QAdam is its own optimizer; the ResNet's running batch
+statistics averaged over the devices every step, as DDP broadcasts its
+buffers): ``compute`` (the gradients
 applied unreduced: the floor any algorithm can reach while the ranks share
 the machine's cores), ``pmean`` (one ``lax.pmean`` per leaf, what a plain JAX
 program does), and each algorithm through ``bagua_x.jax.wrap`` at its
@@ -58,11 +60,12 @@ def build_system(name: str, model: str, rank: int):
 
     from . import jax_zoo
 
-    params, apply = jax_zoo.build(model)
+    params, stats, apply = jax_zoo.build(model)
     x, y = (a[None] for a in jax_zoo.batch(model, rank))  # this process's one device
 
-    def loss_fn(p):
-        return optax.softmax_cross_entropy_with_integer_labels(apply(p, x[0]), y[0]).mean()
+    def loss_fn(p, stats):
+        logits, stats = apply(p, stats, x[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y[0]).mean(), stats
 
     sgd = optax.sgd(0.01, momentum=0.9)
     algorithm, _, form = name.partition("/")
@@ -80,8 +83,10 @@ def build_system(name: str, model: str, rank: int):
 
     # each call of dp communicates for one target and refuses the others: gradients here, weights before
     # (decentralized: x <- avg(x_t), then the gradient taken at x_t) or after the update, momentum in tx
-    def step(p, opt_state, state):
-        grads = jax.grad(loss_fn)(p)
+    def step(p, opt_state, state, stats):
+        grads, stats = jax.grad(loss_fn, has_aux=True)(p, stats)
+        if name != "compute":  # the running statistics' mean over the devices (torch: DDP's buffer broadcast)
+            stats = jax.lax.pmean(stats, AXIS)
         if name == "pmean":
             grads = jax.tree.map(lambda g: jax.lax.pmean(g, AXIS), grads)
         elif target is Target.GRAD:
@@ -92,12 +97,13 @@ def build_system(name: str, model: str, rank: int):
         p = optax.apply_updates(p, updates)
         if target is Target.WEIGHT and not sync_first:
             p, state = dp.sync_params(p, state)
-        return p, opt_state, state
+        return p, opt_state, state, stats
 
-    pstep = jax.pmap(step, axis_name=AXIS, donate_argnums=(0, 1, 2))
+    pstep = jax.pmap(step, axis_name=AXIS, donate_argnums=(0, 1, 2, 3))
     guarded = dp.step(pstep) if dp is not None else lambda *carry: jax.block_until_ready(pstep(*carry))
     measured = dp is not None and not form and getattr(dp.algorithm, "hierarchical", False) is None
-    return lambda carry: guarded(*carry), (placed, jax.pmap(tx.init)(placed), state), measured
+    stats = jax.tree.map(lambda a: np.asarray(a)[None], stats)
+    return lambda carry: guarded(*carry), (placed, jax.pmap(tx.init)(placed), state, stats), measured
 
 
 def build_jit_system(name: str, model: str, rank: int):
@@ -116,7 +122,7 @@ def build_jit_system(name: str, model: str, rank: int):
 
     from . import jax_zoo
 
-    params, apply = jax_zoo.build(model)
+    params, stats, apply = jax_zoo.build(model)
     x, y = jax_zoo.batch(model, rank)  # this process's part of the global batch
     algorithm, _, form = name.partition("/")
     devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
@@ -127,20 +133,21 @@ def build_jit_system(name: str, model: str, rank: int):
     xs, ys = (jax.make_array_from_process_local_data(batch, a, (a.shape[0] * jax.process_count(),) + a.shape[1:])
               for a in (x, y))
 
-    def loss_fn(p, xb, yb):
-        return optax.softmax_cross_entropy_with_integer_labels(apply(p, xb), yb).mean()
+    def loss_fn(p, stats, xb, yb):
+        logits, stats = apply(p, stats, xb)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean(), stats
 
     sgd = optax.sgd(0.01, momentum=0.9)
-    if algorithm == "xla":
+    if algorithm == "xla":  # (here BatchNorm's statistics are the global batch's: XLA reduces them too)
         tx = sgd
 
-        def step(p, o, state):
-            grads = jax.grad(loss_fn)(p, xs, ys)
+        def step(p, o, state, stats, xb, yb):
+            grads, stats = jax.grad(loss_fn, has_aux=True)(p, stats, xb, yb)
             updates, o = tx.update(grads, o, p)
-            return optax.apply_updates(p, updates), o, state
+            return optax.apply_updates(p, updates), o, state, stats
 
         placed = jax.device_put(params, NamedSharding(mesh, P()))
-        carry = (placed, jax.jit(tx.init)(placed), ())
+        carry = (placed, jax.jit(tx.init)(placed), (), bxj.replicate(stats, axis, mesh))
     else:
         dp = bxj.wrap(params, algorithm=make_algorithm(algorithm), axis_name=axis, mesh=mesh)
         target = dp.algorithm.target
@@ -149,20 +156,23 @@ def build_jit_system(name: str, model: str, rank: int):
         update = jax.vmap(tx.update) if weights else tx.update
         sync_first = weights and dp.algorithm.phase is Phase.BEFORE_FORWARD
 
-        def step(p, o, state):
-            (_, grads), state = dp.value_and_grad(loss_fn)(p, xs, ys, state=state)
+        def step(p, o, state, stats, xb, yb):
+            ((_, stats), grads), state = dp.value_and_grad(loss_fn, has_aux=True, batch_argnums=(2, 3))(
+                p, stats, xb, yb, state=state)  # the statistics the same on every device, the batch split
+            stats = jax.tree.map(lambda a: a.mean(0), stats)  # one per device: their mean
             if sync_first:
                 p, state = dp.sync_params(p, state)
             updates, o = update(grads, o, p)
             p = optax.apply_updates(p, updates)
             if weights and not sync_first:
                 p, state = dp.sync_params(p, state)
-            return p, o, state
+            return p, o, state, stats
 
         carry = (dp.replicate(params, per_device=weights),
-                 dp.replicate(tx.init(params), per_device=weights or target is Target.MOMENTUM), dp.init())
-    jitted = jax.jit(step, donate_argnums=(0, 1, 2))
-    return lambda c: jax.block_until_ready(jitted(*c)), carry, False
+                 dp.replicate(tx.init(params), per_device=weights or target is Target.MOMENTUM), dp.init(),
+                 dp.replicate(stats))
+    jitted = jax.jit(step, donate_argnums=(0, 1, 2, 3))
+    return lambda c: jax.block_until_ready(jitted(*c, xs, ys)), carry, False  # (a global batch is an argument)
 
 
 def timed(step, carry, steps: int):

@@ -1,11 +1,15 @@
-"""The zoo's MLP and transformer (``torch_zoo.py``) in flax.nnx: the same tensors, for the JAX rows of the bench.
+"""The zoo (``torch_zoo.py``) in flax.nnx: the same tensors, for the JAX rows of the bench.
 
 * ``mlp``: 12 x Linear(1024, 1024) + ReLU, then Linear(1024, 10): 12.6M parameters in 26 leaves.
 * ``transformer``: the 12-layer pre-LayerNorm decoder with the token embedding tied to the output
   head (vocabulary 8192, width 256, 4 heads, MLP 1024): 11.6M parameters in 148 leaves.
+* ``resnet``: the CIFAR-shaped ResNet (widths 32..256, 2 basic blocks per stage, projection
+  shortcuts) with BatchNorm, whose batch statistics are state beside the params: 2.8M parameters
+  in 62 leaves, images channels-last.
 
-``build(name)`` gives the pure params pytree and ``apply(params, x)``;
-``batch(name, rank)`` one fixed batch per rank, of the torch zoo's shapes.
+``build(name)`` gives the pure params pytree, the pure non-parameter state (the ResNet's batch
+statistics; empty for the others) and ``apply(params, stats, x) -> (logits, stats)`` in
+training mode; ``batch(name, rank)`` one fixed batch per rank, of the torch zoo's shapes.
 """
 
 from __future__ import annotations
@@ -69,10 +73,48 @@ class Transformer(nnx.Module):
         return self.tok.attend(self.ln(x)).reshape(-1, VOCAB)  # output head tied to the embedding
 
 
+class BasicBlock(nnx.Module):
+    def __init__(self, cin: int, cout: int, stride: int, rngs: nnx.Rngs):
+        conv = lambda i, o, k, s: nnx.Conv(i, o, (k, k), strides=s, padding=k // 2, use_bias=False, rngs=rngs)  # noqa: E731
+        self.conv1, self.bn1 = conv(cin, cout, 3, stride), nnx.BatchNorm(cout, rngs=rngs)
+        self.conv2, self.bn2 = conv(cout, cout, 3, 1), nnx.BatchNorm(cout, rngs=rngs)
+        self.short = (nnx.Sequential(conv(cin, cout, 1, stride), nnx.BatchNorm(cout, rngs=rngs))
+                      if stride != 1 or cin != cout else None)
+
+    def __call__(self, x):
+        out = self.bn2(self.conv2(jax.nn.relu(self.bn1(self.conv1(x)))))
+        return jax.nn.relu(out + (self.short(x) if self.short is not None else x))
+
+
+class ResNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.stem = nnx.Conv(3, 32, (3, 3), padding=1, use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, rngs=rngs)
+        blocks, cin = [], 32
+        for i, width in enumerate((32, 64, 128, 256)):
+            blocks += [BasicBlock(cin, width, 1 if i == 0 else 2, rngs), BasicBlock(width, width, 1, rngs)]
+            cin = width
+        self.blocks, self.head = nnx.List(blocks), nnx.Linear(256, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = jax.nn.relu(self.bn(self.stem(x)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(axis=(1, 2)))
+
+
 def build(name: str, seed: int = 0):
-    """``(params, apply)``: the model's params as a plain pytree of arrays and ``apply(params, x) -> logits``."""
-    graphdef, state = nnx.split({"mlp": MLP, "transformer": Transformer}[name](nnx.Rngs(seed)))
-    return nnx.to_pure_dict(state), lambda params, x: nnx.merge(graphdef, params)(x)
+    """``(params, stats, apply)``: the params and the other state (batch statistics) as plain pytrees of arrays,
+    and ``apply(params, stats, x) -> (logits, stats)``, BatchNorm normalising by the batch's statistics and
+    updating the running ones."""
+    graphdef, params, stats = nnx.split({"mlp": MLP, "transformer": Transformer, "resnet": ResNet}[name](
+        nnx.Rngs(seed)), nnx.Param, ...)
+
+    def apply(params, stats, x):
+        model = nnx.merge(graphdef, params, stats)
+        return model(x), nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(stats), apply
 
 
 def batch(name: str, rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -81,5 +123,7 @@ def batch(name: str, rank: int) -> tuple[np.ndarray, np.ndarray]:
     if name == "mlp":
         return (rng.standard_normal((MLP_BATCH, MLP_WIDTH), np.float32),
                 rng.integers(0, MLP_CLASSES, MLP_BATCH).astype(np.int32))
-    tokens = rng.integers(0, VOCAB, (TRANSFORMER_BATCH, SEQ + 1)).astype(np.int32)
-    return tokens[:, :-1], tokens[:, 1:].reshape(-1)
+    if name == "transformer":
+        tokens = rng.integers(0, VOCAB, (TRANSFORMER_BATCH, SEQ + 1)).astype(np.int32)
+        return tokens[:, :-1], tokens[:, 1:].reshape(-1)
+    return rng.standard_normal((8, 32, 32, 3), np.float32), rng.integers(0, 10, 8).astype(np.int32)

@@ -7,7 +7,7 @@ the torch zoo (``torch_zoo.py``) and both time the same algorithm settings.
 from __future__ import annotations
 
 MODELS = ("mlp", "transformer", "resnet")
-JAX_MODELS = ("mlp", "transformer")  # the ResNet's BatchNorm buffers have no counterpart in a params-only JAX step
+JAX_MODELS = MODELS  # the ResNet's batch statistics: state beside the params (jax_zoo.build)
 
 MLP_WIDTH, MLP_LAYERS, MLP_CLASSES, MLP_BATCH = 1024, 12, 10, 64
 VOCAB, WIDTH, HEADS, LAYERS, SEQ, TRANSFORMER_BATCH = 8192, 256, 4, 12, 32, 4
