@@ -85,7 +85,7 @@ CHECKS = [
           f"{T}:peak_memory", 60, "the same training on CPU (no allocator statistics: not judged)"),
     Check(9, "bounded wait: wrap(timeout=2), a rank hangs 5 s", "backward raises within 4 s",
           f"{T}:bounded_wait", 45, "2 gloo ranks, one sleeping 5 s in a hook", cpu_nproc=2),
-    Check(10, "JAX pmap and shard_map under transfer_guard('disallow')", "both run",
+    Check(10, "JAX pmap, shard_map and jit-first under transfer_guard('disallow')", "all run",
           "gpu_check_other:jax_transfer_guard", 90, "the same on JAX's CPU devices"),
     Check(11, "nccl4py: input and communicator on different streams", "exact result",
           "gpu_check_other:nccl_streams", 45),

@@ -168,7 +168,7 @@ def compression_kernels(device):
 
 # -- 10 --------------------------------------------------------------------------------------------------------
 def jax_transfer_guard(device):
-    """Gradient algorithms under pmap and shard_map on every local device (one GPU), the steps under
+    """Gradient algorithms under pmap, shard_map and jit-first on every local device (one GPU), the steps under
     ``jax.transfer_guard("disallow")``: every transfer explicit, set-up and one warm-up step outside."""
     import jax
     import optax
@@ -190,18 +190,29 @@ def jax_transfer_guard(device):
         dp = bxj.wrap(params, algorithm=algorithm)
         tx = optax.chain(dp.gradient_transformation(), optax.adam(1e-2))
 
-        def step(p, o, xb, yb):
-            u, o = tx.update(jax.grad(loss_fn)(p, xb, yb), o, p)
+        def step(p, o, xb, yb, own=lambda q: q):
+            u, o = tx.update(jax.grad(loss_fn)(own(p), xb, yb), o, p)
             return optax.apply_updates(p, u), o
 
         def block_step(p, o, xb, yb):  # shard_map hands each device a (1, ...) block of the batch axis
-            return step(p, o, xb[0], yb[0])
+            # each device's own gradient: with respect to P() params jax.grad would sum it over the devices
+            return step(p, o, xb[0], yb[0], own=lambda q: jax.lax.pcast(q, "batch", to="varying"))
+
+        jit_dp, plain = bxj.wrap(params, algorithm=algorithm, mesh=mesh), optax.adam(1e-2)
+        state = jit_dp.init()  # empty for these two algorithms: closed over
+
+        def jit_step(p, o, xb, yb):  # jit-first: the global batch, bagua_x's own shard_map
+            flat = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731
+            (_, g), _ = jit_dp.value_and_grad(loss_fn)(p, flat(xb), flat(yb), state=state)
+            u, o = plain.update(g, o, p)
+            return optax.apply_updates(p, u), o
 
         modes = {
             "pmap": (jax.pmap(step, axis_name="batch"), dp.replicate(params), dp.replicate(tx.init(params))),
             "shard_map": (jax.jit(jax.shard_map(block_step, mesh=mesh, in_specs=(P(), P(), P("batch"), P("batch")),
                                                 out_specs=(P(), P()))),
                           dp.replicate(params, mesh), dp.replicate(tx.init(params), mesh)),
+            "jit": (jax.jit(jit_step), jit_dp.replicate(params), jit_dp.replicate(plain.init(params))),
         }
         for mode, (f, p, o) in modes.items():
             batches = [(jax.device_put(x[s], data), jax.device_put(y[s], data)) for s in range(len(x))]

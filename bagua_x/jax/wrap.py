@@ -511,8 +511,8 @@ class DataParallel:
                    f"full-precision psum), so {self.algorithm!r} would average n equal sums, n times the gradient; "
                    f"differentiate a per-device copy, jax.grad(loss)(jax.lax.pcast(params, {self.axis_name!r}, "
                    "to='varying'), ...), or let dp.value_and_grad(loss) do it")
-        raise BaguaXError(f"{where}: jax.shard_map types the {what} {', '.join(same[:3])} as the same on every device of axis "
-                          f"{self.axis_name!r}; {fix}")
+        raise BaguaXError(f"{where}: jax.shard_map types the {what} {', '.join(same[:3])} as the same on every "
+                          f"device of axis {self.axis_name!r}; {fix}")
 
     def _check_stacked(self, tree: Any, call: str) -> None:
         """Raise unless every registered leaf of ``tree`` has a leading axis of one entry per device (jit level)."""

@@ -201,7 +201,8 @@ def run(args) -> dict:
                   if getattr(make_algorithm(a), "hierarchical", False) is None for form in FORMS]
     if args.jit:  # the same algorithms in the jit-first style, beside XLA's own reduction
         names += ["jit:xla"] + [f"jit:{a}" for a in ["allreduce"] + [a for a in args.algorithms if a != "allreduce"]]
-        names += [f"jit:{a}/mesh2d" for a in args.algorithms if getattr(make_algorithm(a), "hierarchical", False) is None]
+        names += [f"jit:{a}/mesh2d" for a in args.algorithms
+                  if getattr(make_algorithm(a), "hierarchical", False) is None]
     systems, carries = {}, {}
     trial = StepTrial().steps + 1  # a measured default runs its trial of both forms and decides within its warm-up
     for name in names:

@@ -75,7 +75,10 @@ class Transformer(nnx.Module):
 
 class BasicBlock(nnx.Module):
     def __init__(self, cin: int, cout: int, stride: int, rngs: nnx.Rngs):
-        conv = lambda i, o, k, s: nnx.Conv(i, o, (k, k), strides=s, padding=k // 2, use_bias=False, rngs=rngs)  # noqa: E731
+        def conv(cin, cout, kernel, stride):
+            return nnx.Conv(cin, cout, (kernel, kernel), strides=stride, padding=kernel // 2, use_bias=False,
+                            rngs=rngs)
+
         self.conv1, self.bn1 = conv(cin, cout, 3, stride), nnx.BatchNorm(cout, rngs=rngs)
         self.conv2, self.bn2 = conv(cout, cout, 3, 1), nnx.BatchNorm(cout, rngs=rngs)
         self.short = (nnx.Sequential(conv(cin, cout, 1, stride), nnx.BatchNorm(cout, rngs=rngs))
