@@ -250,6 +250,7 @@ class DataParallel:
             where = "dp.value_and_grad(...)(params, ..., state=state)"
             if algorithm.target is Target.WEIGHT:
                 self._check_stacked(params, where)
+            self._check_state_stacked(state, where)
             stacked, replicated = Layout.STACKED, Layout.REPLICATED
             out_layout = (stacked, stacked) if has_aux else stacked
             params_layout = stacked if algorithm.target is Target.WEIGHT else replicated
@@ -286,6 +287,7 @@ class DataParallel:
         if self.algorithm.averages_gradients_in_node:
             if not axis_bound(self.axis_name):  # weight algorithm at jit level: per-device gradients, stacked
                 self._check_stacked(grads, "dp.reduce_gradients(grads, state)")
+                self._check_state_stacked(state, "dp.reduce_gradients(grads, state)")
                 mesh = step_mesh(self.mesh, self.axis_name, "dp.reduce_gradients(grads, state)")
                 return shard_over(lambda g, s: self._run(self._node_mean, [g], s, where), mesh, self.axis_name,
                                   [Layout.STACKED] * 2, (Layout.STACKED, Layout.STACKED))(grads, state)
@@ -312,6 +314,7 @@ class DataParallel:
         self._only_for(Target.WEIGHT, call)
         if not axis_bound(self.axis_name):
             self._check_stacked(params, call)
+            self._check_state_stacked(state, call)
             mesh = step_mesh(self.mesh, self.axis_name, call)
             return shard_over(self.sync_params, mesh, self.axis_name, [Layout.STACKED] * 2,
                               (Layout.STACKED, Layout.STACKED))(params, state)
@@ -368,6 +371,7 @@ class DataParallel:
             if not axis_bound(self.axis_name):  # per-device gradients (dp.value_and_grad), replicated params
                 call = "dp.optimizer()'s update"
                 self._check_stacked(grads, call)
+                self._check_state_stacked(state, call)
                 mesh = step_mesh(self.mesh, self.axis_name, call)
                 return shard_over(update, mesh, self.axis_name,
                                   [Layout.STACKED, Layout.STACKED, Layout.REPLICATED],
@@ -526,6 +530,17 @@ class DataParallel:
                     f"{self.names[i]!r} has shape {tuple(np.shape(leaves[i]))}, not {(n,) + self._shapes[i]}; lay "
                     "them out with dp.replicate(tree, per_device=True) (weights) or take them from "
                     "dp.value_and_grad (gradients)"
+                )
+
+    def _check_state_stacked(self, state: Any, call: str) -> None:
+        """Raise unless the bagua_x state at jit level is one per device (``dp.init()``, not ``init_state()``)."""
+        n = mesh_axis_size(step_mesh(self.mesh, self.axis_name, call), self.axis_name)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+            if np.ndim(leaf) == 0 or np.shape(leaf)[0] != n:
+                raise BaguaXError(
+                    f"{call} at jit level takes the state of dp.init(): one per device, stacked along a leading "
+                    f"axis of axis {self.axis_name!r}'s {n} devices, but its leaf {jax.tree_util.keystr(path)} has "
+                    f"shape {tuple(np.shape(leaf))}; pass dp.init() (dp.init_state() is one device's state)"
                 )
 
     def _node_mean(self, flat, layout, state, comm):

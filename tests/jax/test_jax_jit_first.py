@@ -120,6 +120,11 @@ def test_jit_level_misuse_is_a_clear_error(setup):
     bare = wrap(params, algorithm=GradientAllReduce())
     with pytest.raises(BaguaXError, match=r"without a mesh.*wrap\(mesh=\.\.\.\) or of jax.set_mesh"):
         jax.jit(lambda p, st: bare.value_and_grad(w.loss_fn)(p, xb, yb, state=st))(params, bare.init_state())
+    # the state at jit level is dp.init()'s, one per device
+    powersgd = wrap(params, algorithm=w.jit_first_algorithms()["powersgd"], mesh=mesh)
+    with pytest.raises(BaguaXError, match=r"takes the state of dp.init\(\): one per device.*pass dp.init\(\)"):
+        jax.jit(lambda p, st: powersgd.value_and_grad(w.loss_fn)(p, xb, yb, state=st))(
+            powersgd.replicate(params), powersgd.init_state())
     # a weight algorithm's params at jit level are one copy per device
     average = wrap(params, algorithm=DiLoCo(sync_every=2), mesh=mesh)
     with pytest.raises(BaguaXError, match=r"one copy per device .* stacked along a leading axis of axis 'batch''s 4 "
