@@ -36,10 +36,11 @@ from ..core.bucket import BucketLayout, plan_buckets
 from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
 from ..core.validation import describe
-from .checks import FiniteCheck, check_leaf_dtype, check_registrable
+from .checks import (FiniteCheck, check_leaf_dtype, check_registrable, check_stacked, check_state_stacked,
+                     refuse_invariant, refuse_jit_level)
 from .communicator import AxisCommunicator, default_local_size
 from .distributed import check_same_across_processes, heartbeat_timeout
-from .mesh_step import Layout, axis_bound, invariant_leaves, per_device, shard_over, step_mesh
+from .mesh_step import Layout, axis_bound, per_device, shard_over, step_mesh
 from .node_form import StepForms, measured_form, run_in_form, storable, with_form
 from .placement import check_mesh_axis, mesh_axis_size
 from .placement import replicate as _replicate
@@ -248,9 +249,7 @@ class DataParallel:
                 out, grads, state = on_device(params, state, *args)
                 return (out, grads), state
             where = "dp.value_and_grad(...)(params, ..., state=state)"
-            if algorithm.target is Target.WEIGHT:
-                self._check_stacked(params, where)
-            self._check_state_stacked(state, where)
+            self._check_stacked(params if algorithm.target is Target.WEIGHT else None, state, where)
             stacked, replicated = Layout.STACKED, Layout.REPLICATED
             out_layout = (stacked, stacked) if has_aux else stacked
             params_layout = stacked if algorithm.target is Target.WEIGHT else replicated
@@ -286,15 +285,14 @@ class DataParallel:
         where = "reduce_gradients"
         if self.algorithm.averages_gradients_in_node:
             if not axis_bound(self.axis_name):  # weight algorithm at jit level: per-device gradients, stacked
-                self._check_stacked(grads, "dp.reduce_gradients(grads, state)")
-                self._check_state_stacked(state, "dp.reduce_gradients(grads, state)")
+                self._check_stacked(grads, state, "dp.reduce_gradients(grads, state)")
                 mesh = step_mesh(self.mesh, self.axis_name, "dp.reduce_gradients(grads, state)")
                 return shard_over(lambda g, s: self._run(self._node_mean, [g], s, where), mesh, self.axis_name,
                                   [Layout.STACKED] * 2, (Layout.STACKED, Layout.STACKED))(grads, state)
             self._refuse_invariant(grads, where, "gradients")
             return self._run(self._node_mean, [grads], state, where)
         self._only_for(Target.GRAD, "dp.reduce_gradients(grads, state)")
-        self._refuse_jit_level("dp.reduce_gradients(grads, state)")
+        refuse_jit_level("dp.reduce_gradients(grads, state)", self.axis_name, self.algorithm)
         self._refuse_invariant(grads, where, "gradients")
         return self._run(self.algorithm.reduce, [grads], state, where)
 
@@ -313,8 +311,7 @@ class DataParallel:
         call = "dp.sync_params(params, state)"
         self._only_for(Target.WEIGHT, call)
         if not axis_bound(self.axis_name):
-            self._check_stacked(params, call)
-            self._check_state_stacked(state, call)
+            self._check_stacked(params, state, call)
             mesh = step_mesh(self.mesh, self.axis_name, call)
             return shard_over(self.sync_params, mesh, self.axis_name, [Layout.STACKED] * 2,
                               (Layout.STACKED, Layout.STACKED))(params, state)
@@ -336,7 +333,7 @@ class DataParallel:
         self._only_for(Target.GRAD, "dp.gradient_transformation()")
 
         def update(updates, state, params=None):
-            self._refuse_jit_level("dp.gradient_transformation()'s update")
+            refuse_jit_level("dp.gradient_transformation()'s update", self.axis_name, self.algorithm)
             return self.reduce_gradients(updates, state)
 
         return optax.GradientTransformation(lambda params: self.init_state(), update)
@@ -370,8 +367,7 @@ class DataParallel:
                                   "needs the params")
             if not axis_bound(self.axis_name):  # per-device gradients (dp.value_and_grad), replicated params
                 call = "dp.optimizer()'s update"
-                self._check_stacked(grads, call)
-                self._check_state_stacked(state, call)
+                self._check_stacked(grads, state, call)
                 mesh = step_mesh(self.mesh, self.axis_name, call)
                 return shard_over(update, mesh, self.axis_name,
                                   [Layout.STACKED, Layout.STACKED, Layout.REPLICATED],
@@ -484,64 +480,24 @@ class DataParallel:
             f"would communicate nothing; use {instead}"
         )
 
-    def _refuse_jit_level(self, call: str) -> None:
-        """Raise where ``call`` would reduce gradients that XLA has reduced already (jit level: :mod:`.mesh_step`)."""
-        if axis_bound(self.axis_name):
-            return
-        raise BaguaXError(
-            f"{call} was called where axis {self.axis_name!r} is not bound, outside jax.pmap(..., "
-            f"axis_name={self.axis_name!r}) and jax.shard_map over a mesh axis {self.axis_name!r}: at jit level the "
-            f"gradients are already XLA's mean over the sharded batch (it added its own full-precision allreduce), "
-            f"so nothing is left for {self.algorithm!r} to communicate; compute them with "
-            "(loss, grads), state = dp.value_and_grad(loss_fn)(params, *batch, state=state), which differentiates "
-            "per device and communicates, and apply them with a plain optax optimizer"
-        )
+    def _registered(self, tree: Any) -> tuple[list, list[str], list[tuple]]:
+        """The registered leaves of ``tree`` (one as wrapped, or stacked per device), their names and shapes."""
+        leaves, registered = jax.tree_util.tree_leaves(tree), [i for b in self.bucket_leaves for i in b]
+        registered = [i for i in registered if i < len(leaves)]  # a wrong tree: _run names what is wrong with it
+        return ([leaves[i] for i in registered], [self.names[i] for i in registered],
+                [self._shapes[i] for i in registered])
 
     def _refuse_invariant(self, tree: Any, where: str, what: str) -> None:
-        """Raise if shard_map types ``tree``'s registered leaves as the same on every device (:mod:`.mesh_step`)."""
-        leaves = jax.tree_util.tree_leaves(tree)
-        if len(leaves) != len(self.names):
-            return  # a wrong tree: _run names what is wrong with it
-        registered = [i for b in self.bucket_leaves for i in b]
-        same = invariant_leaves([leaves[i] for i in registered], [self.names[i] for i in registered], self.axis_name)
-        if not same:
-            return
-        if what == "params":
-            fix = (f"a weight algorithm's params differ per device: pass them one copy per device "
-                   f"(dp.replicate(params, per_device=True), in_specs=P({self.axis_name!r}), [0] inside), or call "
-                   "dp.sync_params at jit level on those")
-        else:
-            fix = (f"jax.grad with respect to params passed with P() sums the gradient over the axis (JAX adds a "
-                   f"full-precision psum), so {self.algorithm!r} would average n equal sums, n times the gradient; "
-                   f"differentiate a per-device copy, jax.grad(loss)(jax.lax.pcast(params, {self.axis_name!r}, "
-                   "to='varying'), ...), or let dp.value_and_grad(loss) do it")
-        raise BaguaXError(f"{where}: jax.shard_map types the {what} {', '.join(same[:3])} as the same on every "
-                          f"device of axis {self.axis_name!r}; {fix}")
+        if len(jax.tree_util.tree_leaves(tree)) == len(self.names):
+            leaves, names, _ = self._registered(tree)
+            refuse_invariant(leaves, names, self.axis_name, self.algorithm, where, what)
 
-    def _check_stacked(self, tree: Any, call: str) -> None:
-        """Raise unless every registered leaf of ``tree`` has a leading axis of one entry per device (jit level)."""
-        leaves = jax.tree_util.tree_leaves(tree)
-        n = mesh_axis_size(step_mesh(self.mesh, self.axis_name, call), self.axis_name)
-        for i in (i for b in self.bucket_leaves for i in b):
-            if i < len(leaves) and tuple(np.shape(leaves[i])) != (n,) + self._shapes[i]:
-                raise BaguaXError(
-                    f"{call} at jit level takes one copy per device of {self.algorithm!r}'s per-device values, "
-                    f"stacked along a leading axis of axis {self.axis_name!r}'s {n} devices, but leaf "
-                    f"{self.names[i]!r} has shape {tuple(np.shape(leaves[i]))}, not {(n,) + self._shapes[i]}; lay "
-                    "them out with dp.replicate(tree, per_device=True) (weights) or take them from "
-                    "dp.value_and_grad (gradients)"
-                )
-
-    def _check_state_stacked(self, state: Any, call: str) -> None:
-        """Raise unless the bagua_x state at jit level is one per device (``dp.init()``, not ``init_state()``)."""
-        n = mesh_axis_size(step_mesh(self.mesh, self.axis_name, call), self.axis_name)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-            if np.ndim(leaf) == 0 or np.shape(leaf)[0] != n:
-                raise BaguaXError(
-                    f"{call} at jit level takes the state of dp.init(): one per device, stacked along a leading "
-                    f"axis of axis {self.axis_name!r}'s {n} devices, but its leaf {jax.tree_util.keystr(path)} has "
-                    f"shape {tuple(np.shape(leaf))}; pass dp.init() (dp.init_state() is one device's state)"
-                )
+    def _check_stacked(self, tree: Any, state: Any, call: str) -> None:
+        """At jit level: ``tree`` and the state one copy per device (``tree`` None: the state only)."""
+        devices = mesh_axis_size(step_mesh(self.mesh, self.axis_name, call), self.axis_name)
+        if tree is not None:
+            check_stacked(*self._registered(tree), devices, self.axis_name, self.algorithm, call)
+        check_state_stacked(state, devices, self.axis_name, call)
 
     def _node_mean(self, flat, layout, state, comm):
         """The node's mean of ``flat`` where the algorithm runs over nodes (the communicator offers node groups
