@@ -382,6 +382,16 @@ def parity_worker(steps: int):
     return out
 
 
+def max_difference(a, b) -> float:
+    """The largest difference between two trees of :func:`make_params`'s four leaves, shapes checked first."""
+    import jax
+
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) == 4
+    assert all(np.shape(x) == np.shape(y) for x, y in zip(la, lb))
+    return max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y)).max()) for x, y in zip(la, lb))
+
+
 def jit_first_algorithms() -> dict:
     """One of each kind for the jit-first tests: gradient, momentum (QAdam) and weight algorithms, flat (a 1-D
     mesh has no node groups; the pmap loop they are compared with might otherwise run over nodes)."""

@@ -39,13 +39,6 @@ def global_batch(a, mesh):
     return jax.device_put(a.reshape((-1,) + a.shape[2:]), NamedSharding(mesh, P("batch")))
 
 
-def max_difference(a, b):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(la) == len(lb) == 4
-    assert all(np.shape(x) == np.shape(y) for x, y in zip(la, lb))
-    return max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y)).max()) for x, y in zip(la, lb))
-
-
 def test_gradient_allreduce_equals_xla_reduction(setup):
     """The gradients and loss of the jit-first step equal plain ``jax.value_and_grad`` on the global batch."""
     params, x, y, _ = setup
@@ -62,10 +55,10 @@ def test_gradient_allreduce_equals_xla_reduction(setup):
         assert loss.shape == (N,)  # one per device, their mean the global batch's
         # the mean over 32 rows summed in another order: a few float32 ulps
         np.testing.assert_allclose(float(loss.mean()), float(want_loss), rtol=1e-6)
-        assert max_difference(grads, want) <= 1e-6 * max(float(np.abs(g).max()) for g in jax.tree.leaves(want))
+        assert w.max_difference(grads, want) <= 1e-6 * max(float(np.abs(g).max()) for g in jax.tree.leaves(want))
         p, q = (jax.tree.map(lambda a, g: a - LR * g, t, g) for t, g in ((p, grads), (q, want)))
-    assert max_difference(p, q) <= 1e-5  # seen: 6e-8
-    assert max_difference(q, params) > 1e-2  # it trained
+    assert w.max_difference(p, q) <= 1e-5  # seen: 6e-8
+    assert w.max_difference(q, params) > 1e-2  # it trained
 
 
 @pytest.mark.parametrize("name", list(w.jit_first_algorithms()))
@@ -74,8 +67,8 @@ def test_every_algorithm_jit_first_equals_its_pmap_loop(setup, name):
     algorithm = w.jit_first_algorithms()[name]
     got, losses = w.bagua_jit(wrap(params, algorithm=algorithm, mesh=mesh), params, x, y, mesh, LR)
     want = w.bagua_pmap(wrap(params, algorithm=algorithm), params, x, y, LR, sgd=True)
-    assert max_difference(got, want) <= 1e-6  # seen: 0 (the same collectives and arithmetic)
-    assert max_difference(want, params) > 1e-3  # it trained
+    assert w.max_difference(got, want) <= 1e-6  # seen: 0 (the same collectives and arithmetic)
+    assert w.max_difference(want, params) > 1e-3  # it trained
     assert len(losses) == STEPS and losses[-1] < losses[0]
 
 
@@ -87,11 +80,11 @@ def test_every_algorithm_jit_first_across_two_processes():
     for run in runs:
         assert set(run) == set(w.jit_first_algorithms())
         for name, got in run.items():
-            assert max_difference(got["jit"], got["pmap"]) <= 1e-6, name
+            assert w.max_difference(got["jit"], got["pmap"]) <= 1e-6, name
             assert len(got["losses"]) == STEPS and got["losses"][-1] < got["losses"][0], name
     for name, algorithm in w.jit_first_algorithms().items():  # where every device ends alike, across processes too
         if algorithm.target is not Target.WEIGHT:
-            assert max_difference(runs[0][name]["jit"], runs[1][name]["jit"]) == 0, name
+            assert w.max_difference(runs[0][name]["jit"], runs[1][name]["jit"]) == 0, name
 
 
 def test_context_mesh_serves_a_wrap_without_one(setup):
@@ -104,7 +97,7 @@ def test_context_mesh_serves_a_wrap_without_one(setup):
             p, st, global_batch(x[0], mesh), global_batch(y[0], mesh))
     want = jax.grad(w.loss_fn)(params, x[0].reshape(-1, w.IN), y[0].reshape(-1, w.OUT))
     assert loss.shape == (N,)
-    assert 0 < max_difference(grads, want) <= 1e-2  # ByteGrad's 8 bits (0: no compression)
+    assert 0 < w.max_difference(grads, want) <= 1e-2  # ByteGrad's 8 bits (0: no compression)
 
 
 def test_jit_level_misuse_is_a_clear_error(setup):
@@ -151,7 +144,7 @@ def test_typed_shard_map_gradients_of_replicated_params_are_refused(setup):
                                           r"jax.lax.pcast\(params, 'batch', to='varying'\)"):
         step(cast=False)(*args)
     want = jax.grad(w.loss_fn)(params, x[0].reshape(-1, w.IN), y[0].reshape(-1, w.OUT))
-    assert max_difference(step(cast=True)(*args), want) <= 1e-6
+    assert w.max_difference(step(cast=True)(*args), want) <= 1e-6
 
 
 def test_a_model_with_batch_statistics_trains_jit_first_as_under_pmap():

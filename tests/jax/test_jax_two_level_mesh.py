@@ -28,13 +28,6 @@ STEPS, LR = 5, 5e-2
 AXES = ("node", "local")
 
 
-def max_difference(a, b):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(la) == len(lb) == 4
-    assert all(np.shape(x) == np.shape(y) for x, y in zip(la, lb))
-    return max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y)).max()) for x, y in zip(la, lb))
-
-
 @pytest.fixture(scope="module")
 def setup():
     return w.make_params(0), *w.make_data(STEPS, 4), jax.make_mesh((2, 2), AXES)
@@ -52,12 +45,12 @@ def test_two_levels_on_a_2d_mesh_equal_pmap_node_groups(setup, name):
     algorithm = w.two_level_algorithms()[name]
     got, losses = w.bagua_jit(wrap(params, algorithm=algorithm, axis_name=AXES, mesh=mesh), params, x, y, mesh, LR)
     want = w.bagua_pmap(wrap(params, algorithm=algorithm, devices_per_node=2), params, x, y, LR, sgd=True)
-    assert max_difference(got, want) <= 1e-6  # seen: 0 (the same collectives, over axes instead of groups)
+    assert w.max_difference(got, want) <= 1e-6  # seen: 0 (the same collectives, over axes instead of groups)
     assert len(losses) == STEPS and losses[-1] < losses[0]
     if name in DIFFERS_FROM_FLAT:
         flat = w.bagua_pmap(wrap(params, algorithm=dataclasses.replace(algorithm, hierarchical=False)),
                             params, x, y, LR, sgd=True)
-        assert max_difference(got, flat) > DIFFERS_FROM_FLAT[name]
+        assert w.max_difference(got, flat) > DIFFERS_FROM_FLAT[name]
 
 
 def test_the_mesh_axes_are_the_node_groups(setup):
@@ -97,8 +90,8 @@ def test_two_levels_on_a_2d_mesh_across_processes():
     for run in runs:
         assert set(run) == set(w.two_level_algorithms())
         for name, got in run.items():
-            assert max_difference(got["jit"], got["pmap"]) <= 1e-6, name
+            assert w.max_difference(got["jit"], got["pmap"]) <= 1e-6, name
             assert len(got["losses"]) == STEPS and got["losses"][-1] < got["losses"][0], name
     for name, algorithm in w.two_level_algorithms().items():
         if algorithm.target is not Target.WEIGHT:
-            assert max_difference(runs[0][name]["jit"], runs[1][name]["jit"]) == 0, name
+            assert w.max_difference(runs[0][name]["jit"], runs[1][name]["jit"]) == 0, name
