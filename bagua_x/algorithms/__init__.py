@@ -9,9 +9,11 @@ from .low_precision_decentralized import LowPrecisionDecentralized, LowPrecision
 from .model_average import AsyncModelAverage, ModelAverage, ModelAverageState
 from .powersgd import PowerSGD, PowerSGDState
 from .qadam import QAdam, QAdamState
+from .sparse import SparseLoCo, TopK
 
 __all__ = [
     "Algorithm", "Target", "Phase", "EmptyState", "GradientAllReduce", "ByteGrad", "Decentralized",
     "DecentralizedState", "LowPrecisionDecentralized", "LowPrecisionDecentralizedState", "ModelAverage",
     "ModelAverageState", "AsyncModelAverage", "QAdam", "QAdamState", "PowerSGD", "PowerSGDState", "DiLoCo", "DiLoCoState",
+    "TopK", "SparseLoCo",
 ]

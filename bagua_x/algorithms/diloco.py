@@ -21,6 +21,9 @@ the global weights, dropping the local steps made in between, as torchft).
 ``bits`` 8 or 4 sends the pseudo-gradient quantised, as ByteGrad does
 (MinMaxUInt8 chunks, alltoall, reduce and re-quantise, allgather); 4 bits
 pack two codes a byte.  The average lands identical on every worker.
+``compression=TopK(...)`` sends it sparse instead, with error feedback
+(SparseLoCo: :mod:`.sparse`): gathered, decoded and summed in rank order; the
+error-feedback buffer is state (``error``, empty without compression).
 
 Two levels: where the frontend has node groups, a node is one worker
 (:attr:`averages_gradients_in_node`: the frontend averages gradients inside
@@ -42,6 +45,7 @@ from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
 from .base import Algorithm, Phase, Target, counter, hierarchical, namespace, over_nodes, ring_allreduce_bytes
 from .bytegrad import compressed_allreduce
+from .sparse import TopK
 
 __all__ = ["DiLoCo", "DiLoCoState"]
 
@@ -51,6 +55,7 @@ class DiLoCoState(NamedTuple):
     global_weights: Any  # the weights every worker agreed on at each fragment's last landing
     momentum: Any  # the outer optimizer's momentum buffer
     pending: Any  # averaged pseudo-gradients in flight (fragment_sync_delay > 0), else empty
+    error: Any  # the error-feedback buffer of ``compression`` (what was not sent yet), else empty
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +72,8 @@ class DiLoCo(Algorithm):
         fragment_sync_delay: tau, inner steps between a fragment's launch and its landing;
             ``tau < sync_every // fragments`` (a fragment lands before the next one launches).
         fragment_update_alpha: on landing, ``local = global + alpha (local - global)``; 0 takes the global.
-        bits: 32 (full precision), 8 or 4: how the pseudo-gradient travels.
+        bits: 32 (full precision), 8 or 4: how the pseudo-gradient travels (dense).
+        compression: a :class:`~.sparse.TopK` sends it sparse instead, with error feedback (``bits`` stays 32).
         hierarchical: ``None`` (default): a node is one worker where the frontend knows >= 2 nodes of
             >= 2 ranks; ``True``: require node groups; ``False``: every rank is a worker.
     """
@@ -80,6 +86,7 @@ class DiLoCo(Algorithm):
     fragment_sync_delay: int = 0
     fragment_update_alpha: float = 0.0
     bits: int = 32
+    compression: Optional[TopK] = None
     hierarchical: Optional[bool] = None
 
     target = Target.WEIGHT
@@ -103,6 +110,11 @@ class DiLoCo(Algorithm):
             problems.append(f"fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha}")
         if self.bits not in (32, 8, 4):
             problems.append(f"bits must be 32, 8 or 4, got {self.bits}")
+        if self.compression is not None and not isinstance(self.compression, TopK):
+            problems.append(f"compression must be a bagua_x.algorithms.TopK or None, got {self.compression!r}")
+        elif self.compression is not None and self.bits != 32:
+            problems.append(f"bits={self.bits} and compression=TopK(...) both set how the pseudo-gradient travels: "
+                            "give the bits to TopK(bits=...) and leave DiLoCo's bits at 32")
         if self.outer_lr <= 0 or not 0.0 <= self.outer_momentum < 1.0:
             problems.append(f"outer_lr must be > 0 and outer_momentum in [0, 1), got {self.outer_lr} and "
                             f"{self.outer_momentum}")
@@ -132,12 +144,16 @@ class DiLoCo(Algorithm):
         xp = namespace(flat)
         device = array_api_compat.device(flat)
         in_flight = flat.shape[0] if self.fragment_sync_delay else 0
+        feedback = flat.shape[0] if self.compression is not None else 0
         return DiLoCoState(step=counter(xp), global_weights=xp.asarray(flat, copy=True),
-                           momentum=xp.zeros_like(flat), pending=xp.zeros((in_flight,), dtype=flat.dtype, device=device))
+                           momentum=xp.zeros_like(flat), pending=xp.zeros((in_flight,), dtype=flat.dtype, device=device),
+                           error=xp.zeros((feedback,), dtype=flat.dtype, device=device))
 
     def wire_bytes(self, layout, itemsize, world_size):
         n = layout.padded_numel
-        if self.bits == 32:
+        if self.compression is not None:  # an allgather of every fragment's payload
+            per_sync = sum((world_size - 1) * self.compression.payload_bytes(b - a) for a, b in self.fragment_bounds(n))
+        elif self.bits == 32:
             per_sync = ring_allreduce_bytes(n, itemsize, world_size)
         else:  # alltoall + allgather of each fragment's rank chunks, each with its 8-byte min/max
             per_sync = 2 * (world_size - 1) * (n * self.bits / 8 / world_size + 8 * self.fragments)
@@ -156,10 +172,8 @@ class DiLoCo(Algorithm):
         step = state.step + 1
         branches = [self._sync_now(a, b, comm, hierarchical(self.hierarchical, comm))
                     for a, b in self.fragment_bounds(flat.shape[0])]
-        operand = (flat, state.global_weights, state.momentum, state.pending)
-        flat, global_weights, momentum, pending = comm.switch(self._due(xp, step, 0), branches + [_unchanged],
-                                                              operand)
-        return flat, DiLoCoState(step, global_weights, momentum, pending)
+        flat, *rest = comm.switch(self._due(xp, step, 0), branches + [_unchanged], (flat, *state[1:]))
+        return flat, DiLoCoState(step, *rest)
 
     def apply(self, flat, layout, state, comm):
         """tau > 0: the step advances and the fragment launched tau steps ago lands (no collective).  The
@@ -167,20 +181,19 @@ class DiLoCo(Algorithm):
         xp = namespace(flat)
         step = state.step + 1
         branches = [self._land(a, b) for a, b in self.fragment_bounds(flat.shape[0])]
-        operand = (flat, state.global_weights, state.momentum, state.pending)
-        flat, global_weights, momentum, pending = comm.switch(self._due(xp, step, self.fragment_sync_delay),
-                                                              branches + [_unchanged], operand)
-        return flat, DiLoCoState(step, global_weights, momentum, pending)
+        flat, *rest = comm.switch(self._due(xp, step, self.fragment_sync_delay), branches + [_unchanged],
+                                  (flat, *state[1:]))
+        return flat, DiLoCoState(step, *rest)
 
     def exchange(self, flat, layout, state, comm):
         """tau > 0, after :meth:`apply` (``state.step`` is this step): the fragment due launches, its averaged
-        pseudo-gradient kept in ``pending`` until it lands."""
+        pseudo-gradient kept in ``pending`` until it lands (and, compressed, what it did not send in ``error``)."""
         xp = namespace(flat)
         two_level = hierarchical(self.hierarchical, comm)
         branches = [self._launch(a, b, comm, two_level) for a, b in self.fragment_bounds(flat.shape[0])]
-        operand = (flat, state.global_weights, state.momentum, state.pending)
-        _, _, _, pending = comm.switch(self._due(xp, state.step, 0), branches + [_unchanged], operand)
-        return state._replace(pending=pending)
+        _, _, _, pending, error = comm.switch(self._due(xp, state.step, 0), branches + [_unchanged],
+                                              (flat, *state[1:]))
+        return state._replace(pending=pending, error=error)
 
     def _due(self, xp, step, delay: int):
         """The fragment launched ``delay`` steps before ``step`` (a traced int32), or P where none was.
@@ -194,8 +207,12 @@ class DiLoCo(Algorithm):
             due = xp.where(hit, xp.asarray(i, dtype=xp.int32), due)
         return due
 
-    def _average(self, pseudo, comm, two_level: bool):
-        """The workers' mean pseudo-gradient (``bits`` on the wire), identical on every rank."""
+    def _average(self, pseudo, error, comm, two_level: bool):
+        """The workers' mean pseudo-gradient (as ``bits`` or ``compression`` send it), identical on every rank,
+        and the error-feedback buffer after it (``error`` unchanged without compression)."""
+        if self.compression is not None:
+            return _sparse_mean(self.compression, pseudo, error, comm, two_level)
+
         def exchange(x, c):
             if self.bits == 32:
                 return c.allreduce(x, ReduceOp.AVG)
@@ -210,8 +227,8 @@ class DiLoCo(Algorithm):
             return xp.reshape(out[:out.shape[0] - pad] if pad else out, shape)
 
         if two_level:
-            return over_nodes(pseudo, comm, exchange)
-        return exchange(pseudo, comm)
+            return over_nodes(pseudo, comm, exchange), error
+        return exchange(pseudo, comm), error
 
     def _outer(self, g, global_weights, momentum):
         """torch.optim.SGD's step (no dampening, no weight decay) on ``global_weights`` with gradient ``g``."""
@@ -226,26 +243,26 @@ class DiLoCo(Algorithm):
 
     def _sync_now(self, a: int, b: int, comm, two_level: bool):
         def branch(operand):
-            flat, global_weights, momentum, pending = operand
-            g = self._average(global_weights[a:b] - flat[a:b], comm, two_level)
+            flat, global_weights, momentum, pending, error = operand
+            g, sent_error = self._average(global_weights[a:b] - flat[a:b], _part(error, a, b), comm, two_level)
             new_global, new_momentum = self._outer(g, global_weights[a:b], momentum[a:b])
             return (_put(flat, a, b, self._landed(flat[a:b], new_global)), _put(global_weights, a, b, new_global),
-                    _put(momentum, a, b, new_momentum), pending)
+                    _put(momentum, a, b, new_momentum), pending, _put_part(error, a, b, sent_error))
         return branch
 
     def _launch(self, a: int, b: int, comm, two_level: bool):
         def branch(operand):
-            flat, global_weights, momentum, pending = operand
-            g = self._average(global_weights[a:b] - flat[a:b], comm, two_level)
-            return flat, global_weights, momentum, _put(pending, a, b, g)
+            flat, global_weights, momentum, pending, error = operand
+            g, sent_error = self._average(global_weights[a:b] - flat[a:b], _part(error, a, b), comm, two_level)
+            return flat, global_weights, momentum, _put(pending, a, b, g), _put_part(error, a, b, sent_error)
         return branch
 
     def _land(self, a: int, b: int):
         def branch(operand):
-            flat, global_weights, momentum, pending = operand
+            flat, global_weights, momentum, pending, error = operand
             new_global, new_momentum = self._outer(pending[a:b], global_weights[a:b], momentum[a:b])
             return (_put(flat, a, b, self._landed(flat[a:b], new_global)), _put(global_weights, a, b, new_global),
-                    _put(momentum, a, b, new_momentum), pending)
+                    _put(momentum, a, b, new_momentum), pending, error)
         return branch
 
 
@@ -258,3 +275,38 @@ def _put(x, a: int, b: int, value):
     write a buffer another branch's caller still reads)."""
     xp = namespace(x)
     return xp.concat([x[:a], xp.astype(value, x.dtype), x[b:]])
+
+
+def _part(error, a: int, b: int):
+    """The error-feedback buffer of ``[a:b]``, or the empty buffer (no compression) as it is."""
+    return error[a:b] if error.shape[0] else error
+
+
+def _put_part(error, a: int, b: int, value):
+    return _put(error, a, b, value) if error.shape[0] else error
+
+
+def _sparse_mean(topk: TopK, pseudo, error, comm, two_level: bool):
+    """SparseLoCo's exchange: ``e = decay e + pseudo``; each worker's top-k payload of ``e`` gathered and summed
+    in rank order; ``e`` less what it sent.  Returns ``(mean, e)``.
+
+    Two levels (a node is one worker, its ranks identical): each rank computes the node's whole payload, cut in
+    L parts on chunk boundaries, and sends its own part across nodes; the parts received come back together
+    inside the node (a gather of compressed bytes).  Every rank thus decodes the same bytes in the same order,
+    and a node's ranks keep identical buffers."""
+    xp = namespace(pseudo)
+    e = error * topk.error_decay + pseudo
+    if not two_level:
+        payload, sent = topk.encode(e)
+        return topk.mean(comm.allgather(payload), e.shape[0]), e - sent
+    within, numel = comm.within, e.shape[0]
+    span = -(-topk.chunks(numel) // within.size) * topk.chunk  # each part: a whole number of chunks
+    padded = xp.concat([e, xp.zeros((span * within.size - numel,), dtype=e.dtype,
+                                    device=array_api_compat.device(e))])
+    real = [min(span, max(0, numel - i * span)) for i in range(within.size)]
+    parts = [topk.encode(padded[i * span:(i + 1) * span], real[i]) for i in range(within.size)]
+    mine = xp.stack([payload for payload, _ in parts])[within.rank, :]
+    received = within.allgather(comm.across.allgather(mine))  # (L, nodes, bytes)
+    mean = xp.concat([topk.mean(received[i, ...], span, real[i]) for i in range(within.size)])
+    sent = xp.concat([dense for _, dense in parts])
+    return mean[:numel], e - sent[:numel]

@@ -22,7 +22,8 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["EPS", "allreduce", "quantize", "dequantize", "roundtrip", "step_size", "quantized_average", "DiLoCoWorkers"]
+__all__ = ["EPS", "allreduce", "quantize", "dequantize", "roundtrip", "step_size", "quantized_average", "topk_sent",
+           "DiLoCoWorkers"]
 
 #: Bagua's MinMaxUInt8 keeps the scale finite on a constant chunk: 255 / (max - min + EPS).
 EPS = 1e-7
@@ -98,6 +99,33 @@ def quantized_average(xs: Sequence[np.ndarray], bits: int) -> np.ndarray:
     return np.concatenate(mine)[:numel]
 
 
+def topk_sent(x: np.ndarray, fraction: float, bits: int, chunk: int) -> np.ndarray:
+    """What a SparseLoCo worker sends of ``x``, dense: per chunk of ``chunk`` elements (the last one may be
+    shorter), the ``round(fraction * chunk)`` entries largest in magnitude (ties: the lower position), each
+    sent as its sign and the nearest of ``2**(bits-1)`` magnitudes spread evenly from the smallest magnitude
+    sent to the largest (1 bit: their midpoint); zeros elsewhere.
+
+    Raises:
+      ValueError: ``x`` holds a NaN or an infinity (it would never be sent, nor leave the error buffer).
+    """
+    x = np.asarray(x, np.float32)
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"a NaN or infinity at positions {np.flatnonzero(~np.isfinite(x))[:10].tolist()}")
+    k = min(chunk, max(1, round(fraction * chunk)))
+    steps = max(1, 2 ** (bits - 1) - 1)
+    out = np.zeros_like(x)
+    for start in range(0, x.size, chunk):
+        part = x[start:start + chunk]
+        chosen = np.argsort(-np.abs(part), kind="stable")[:k]
+        size = np.abs(part[chosen])
+        lo, hi = size.min(), size.max()
+        if bits == 1:
+            lo = hi = (lo + hi) * np.float32(0.5)
+        level = np.zeros_like(size) if hi == lo else np.clip(np.rint((size - lo) / (hi - lo) * steps), 0, steps)
+        out[start + chosen] = np.where(part[chosen] < 0, -1, 1) * (lo + level * (hi - lo) / steps)
+    return out
+
+
 class DiLoCoWorkers:
     """N DiLoCo workers in numpy, written from the papers' formulas (torchft's keywords and schedule).
 
@@ -119,9 +147,11 @@ class DiLoCoWorkers:
     """
 
     def __init__(self, x0: np.ndarray, n: int, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, fragments: int = 1, delay: int = 0, alpha: float = 0.0, bits: int = 32):
+                 nesterov: bool = True, fragments: int = 1, delay: int = 0, alpha: float = 0.0, bits: int = 32,
+                 compression=None):
         self.n, self.h, self.lr, self.mu, self.nesterov = n, sync_every, outer_lr, outer_momentum, nesterov
-        self.delay, self.alpha, self.bits = delay, alpha, bits
+        self.delay, self.alpha, self.bits, self.compression = delay, alpha, bits, compression
+        self.errors = [np.zeros(np.asarray(x0).size, np.float32) for _ in range(n)]
         numel = np.asarray(x0).size
         cuts = [i * numel // fragments for i in range(fragments + 1)]
         self.ranges = list(zip(cuts[:-1], cuts[1:]))
@@ -131,14 +161,24 @@ class DiLoCoWorkers:
         self.in_flight: dict[int, np.ndarray] = {}  # fragment -> averaged pseudo-gradient
         self.step = 0
 
+    @classmethod
+    def like(cls, algorithm, x0: np.ndarray, n: int) -> "DiLoCoWorkers":
+        """Workers with the settings of ``algorithm`` (a :class:`~bagua_x.algorithms.DiLoCo`; only read)."""
+        a = algorithm
+        return cls(x0, n, a.sync_every, a.outer_lr, a.outer_momentum, a.nesterov, a.fragments, a.fragment_sync_delay,
+                   a.fragment_update_alpha, a.bits, a.compression)
+
     def after_step(self, xs: Sequence[np.ndarray]) -> list[np.ndarray]:
         self.step += 1
         xs = [np.asarray(x, np.float32).copy() for x in xs]
         for i, (a, b) in enumerate(self.ranges):
             if self.step >= self.offsets[i] and (self.step - self.offsets[i]) % self.h == 0:
                 pseudo = [self.global_weights[a:b] - x[a:b] for x in xs]
-                self.in_flight[i] = (allreduce(pseudo)[0] if self.bits == 32
-                                     else quantized_average(pseudo, self.bits))
+                if self.compression is not None:
+                    self.in_flight[i] = self._sparse_mean(pseudo, a, b)
+                else:
+                    self.in_flight[i] = (allreduce(pseudo)[0] if self.bits == 32
+                                         else quantized_average(pseudo, self.bits))
             landed = self.step - self.delay
             if i in self.in_flight and landed >= self.offsets[i] and (landed - self.offsets[i]) % self.h == 0:
                 g = self.in_flight.pop(i)
@@ -148,3 +188,12 @@ class DiLoCoWorkers:
                 for x in xs:
                     x[a:b] = self.global_weights[a:b] + np.float32(self.alpha) * (x[a:b] - self.global_weights[a:b])
         return xs
+
+    def _sparse_mean(self, pseudo, a: int, b: int) -> np.ndarray:
+        c = self.compression
+        sent = []
+        for e, p in zip(self.errors, pseudo):
+            e[a:b] = e[a:b] * np.float32(c.error_decay) + p
+            sent.append(topk_sent(e[a:b], c.fraction, c.bits, c.chunk))
+            e[a:b] -= sent[-1]
+        return allreduce(sent)[0]

@@ -83,10 +83,9 @@ def reference(dp, alg, params, x, y, workers: int = N, outer: str = "numpy"):
     copies, opts = [params] * workers, [tx.init(params)] * workers
     x0 = flat_of(dp, params)
     if outer == "numpy":
-        ref = DiLoCoWorkers(x0, workers, alg.sync_every, alg.outer_lr, alg.outer_momentum, alg.nesterov,
-                            alg.fragments, alg.fragment_sync_delay, alg.fragment_update_alpha, alg.bits)
+        ref = DiLoCoWorkers.like(alg, x0, workers)
     else:
-        assert alg.fragments == 1 and alg.bits == 32 and alg.nesterov
+        assert alg.fragments == 1 and alg.bits == 32 and alg.compression is None and alg.nesterov
         otx = optax.sgd(alg.outer_lr, momentum=alg.outer_momentum, nesterov=True)
         glob = x0
         ostate = otx.init(glob)

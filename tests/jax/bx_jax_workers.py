@@ -398,12 +398,13 @@ def jit_first_algorithms() -> dict:
     import dataclasses
 
     from bagua_x.algorithms import (ByteGrad, Decentralized, DiLoCo, GradientAllReduce, LowPrecisionDecentralized,
-                                    ModelAverage, PowerSGD, QAdam)
+                                    ModelAverage, PowerSGD, QAdam, SparseLoCo)
 
     algorithms = {"allreduce": GradientAllReduce(), "bytegrad": ByteGrad(),
                   "powersgd": PowerSGD(min_compression_rate=1.0), "qadam": QAdam(lr=1e-2, warmup_steps=2),
                   "decentralized": Decentralized(), "low_precision": LowPrecisionDecentralized(),
-                  "model_average": ModelAverage(period=2), "diloco": DiLoCo(sync_every=2)}
+                  "model_average": ModelAverage(period=2), "diloco": DiLoCo(sync_every=2),
+                  "sparseloco": SparseLoCo(sync_every=2, fraction=0.1, chunk=64)}
     return {name: dataclasses.replace(a, hierarchical=False) if hasattr(a, "hierarchical") else a
             for name, a in algorithms.items()}
 
@@ -431,12 +432,13 @@ def jit_first_worker(steps: int, lr: float):
 
 def two_level_algorithms() -> dict:
     """Algorithms with a two-level form, asked for it (hierarchical=True), for the 2-D mesh tests."""
-    from bagua_x.algorithms import ByteGrad, Decentralized, DiLoCo, GradientAllReduce, QAdam
+    from bagua_x.algorithms import ByteGrad, Decentralized, DiLoCo, GradientAllReduce, QAdam, SparseLoCo
 
     return {"allreduce": GradientAllReduce(hierarchical=True), "bytegrad": ByteGrad(hierarchical=True),
             "decentralized": Decentralized(hierarchical=True),
             "qadam": QAdam(lr=1e-2, warmup_steps=2, hierarchical=True),
-            "diloco": DiLoCo(sync_every=2, hierarchical=True)}
+            "diloco": DiLoCo(sync_every=2, hierarchical=True),
+            "sparseloco": SparseLoCo(sync_every=2, fraction=0.1, chunk=64, hierarchical=True)}
 
 
 def node_mesh():

@@ -9,7 +9,7 @@ import pytest
 
 import bx_jax_diloco_workers as dw
 import bx_jax_workers as w
-from bagua_x.algorithms import DiLoCo
+from bagua_x.algorithms import DiLoCo, SparseLoCo
 from bagua_x.jax import wrap
 from bagua_x.testing.reference import step_size
 
@@ -17,6 +17,7 @@ N, STEPS = dw.N, 9
 
 PLAIN = dict(sync_every=3)
 STREAMING = dict(sync_every=4, fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5)
+SPARSE = dict(sync_every=3, fraction=0.1, chunk=32)  # SparseLoCo: 3 of every 32 entries, 2 bits, error feedback
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +43,12 @@ def assert_workers_drift_and_meet(history, alg):
                 np.testing.assert_array_equal(history[s][d], history[s][0])
 
 
-@pytest.mark.parametrize("kw", [PLAIN, STREAMING, dict(sync_every=3, fragments=3)],
-                         ids=["diloco", "streaming", "fragments3"])
+@pytest.mark.parametrize("kw", [PLAIN, STREAMING, dict(sync_every=3, fragments=3), SPARSE],
+                         ids=["diloco", "streaming", "fragments3", "sparse"])
 @pytest.mark.parametrize("mode", ["pmap", "shard_map"])
 def test_matches_numpy_reference(setup, kw, mode):
     params, x, y = setup
-    alg = DiLoCo(**kw)
+    alg = SparseLoCo(**kw) if kw is SPARSE else DiLoCo(**kw)
     dp = wrap(params, algorithm=alg)
     if mode == "pmap":
         got = dw.diloco_pmap(dp, params, x, y)
@@ -141,6 +142,7 @@ ORBAX = {  # (algorithm, total, stop): each stops mid-H
     "diloco": (DiLoCo(sync_every=4), 7, 2),
     "streaming-in-flight": (DiLoCo(**STREAMING), 7, 4),  # fragment 1 launched at step 4, lands at 5
     "4bit": (DiLoCo(sync_every=3, bits=4), 7, 4),
+    "sparse": (SparseLoCo(**SPARSE), 7, 4),  # the error buffer holds what step 3's exchange did not send
 }
 
 
@@ -164,12 +166,12 @@ def test_orbax_resume_mid_h_is_bitwise_identical(name, tmp_path):
                                                           jax.tree.leaves(fresh["params"])))
 
 
-@pytest.mark.parametrize("kw", [PLAIN, STREAMING], ids=["diloco", "streaming"])
+@pytest.mark.parametrize("kw", [PLAIN, STREAMING, SPARSE], ids=["diloco", "streaming", "sparse"])
 def test_two_levels_a_node_is_one_worker(setup, kw):
     """4 devices as 2 nodes x 2 (pmap, devices_per_node=2), gradients through ``dp.reduce_gradients``: a 2-worker
     DiLoCo whose gradient is the node's mean; both devices of a node bitwise identical at every step."""
     params, x, y = setup
-    alg = DiLoCo(**kw)
+    alg = SparseLoCo(**kw) if kw is SPARSE else DiLoCo(**kw)
     dp = wrap(params, algorithm=alg, devices_per_node=2)
     got = dw.diloco_pmap(dp, params, x, y, node_mean=True)
     want = dw.reference(dp, alg, params, x, y, workers=2)
@@ -206,7 +208,8 @@ def test_two_processes(tmp_path):
 
     from launch import run_workers
 
-    cases = {"flat": dict(hierarchical=False, **STREAMING), "nodes": dict(PLAIN)}
+    cases = {"flat": dict(hierarchical=False, **STREAMING), "nodes": dict(PLAIN),
+             "sparse-nodes": dict(compression=SparseLoCo(**SPARSE).compression, **PLAIN)}
     env = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__)),
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
            "LOCAL_WORLD_SIZE": "1"}  # one process per host, as on two machines
@@ -215,10 +218,13 @@ def test_two_processes(tmp_path):
     params, x, y = w.make_params(0), *w.make_data(STEPS, N)
     dp = wrap(params)  # only for the flat order of the leaves
     want = {"flat": dw.reference(dp, DiLoCo(**cases["flat"]), params, x, y),
-            "nodes": dw.reference(dp, DiLoCo(**cases["nodes"]), params, x, y, workers=2)}
+            "nodes": dw.reference(dp, DiLoCo(**cases["nodes"]), params, x, y, workers=2),
+            "sparse-nodes": dw.reference(dp, DiLoCo(**cases["sparse-nodes"]), params, x, y, workers=2)}
     for got in results:
         for s in range(STEPS):
             for d in range(N):
                 np.testing.assert_allclose(got["flat"][s][d], want["flat"][s][d], rtol=0, atol=1e-6)
                 np.testing.assert_allclose(got["nodes"][s][d], want["nodes"][s][d // 2], rtol=0, atol=1e-6)
                 np.testing.assert_array_equal(got["nodes"][s][d], got["nodes"][s][d // 2 * 2])
+                np.testing.assert_allclose(got["sparse-nodes"][s][d], want["sparse-nodes"][s][d // 2], rtol=0,
+                                           atol=1e-6)

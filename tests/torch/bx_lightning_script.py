@@ -110,12 +110,14 @@ ALGORITHMS = {
     "ModelAverage": lambda: algorithms.ModelAverage(period=4),
     "AsyncModelAverage": lambda: algorithms.AsyncModelAverage(sync_interval_ms=20),
     "DiLoCo": lambda: algorithms.DiLoCo(sync_every=4, outer_lr=0.7),  # the inner optimizer is the module's SGD
+    "DiLoCo-sparse": lambda: algorithms.SparseLoCo(sync_every=4, fraction=0.1, chunk=64),
     "local": lambda: algorithms.ModelAverage(period=10**6),  # no averaging after the start: the baseline
 }
 # AsyncModelAverage is left out of the accumulation counts: its thread averages on a clock, not per step; DiLoCo
 # communicates on one step in sync_every (its counts are ModelAverage's, whose run stays)
 ACCUMULATED = {"GradientAllReduce": lambda: algorithms.GradientAllReduce(),
-               **{k: v for k, v in ALGORITHMS.items() if k not in ("local", "AsyncModelAverage", "DiLoCo")}}
+               **{k: v for k, v in ALGORITHMS.items() if k not in ("local", "AsyncModelAverage", "DiLoCo",
+                                                                     "DiLoCo-sparse")}}
 
 
 def main(scenario, out_dir, nodes=1):

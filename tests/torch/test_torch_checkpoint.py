@@ -26,6 +26,8 @@ CASES = {
     # fragment 0 launched at step 3 (the checkpoint), lands at 4; fragment 1 launches at 6, lands at 7
     "StreamingDiLoCoInFlight": ("DiLoCo", {"sync_every": 6, "fragments": 2, "fragment_sync_delay": 1,
                                            "fragment_update_alpha": 0.5, "bits": 4}),
+    # the error-feedback buffer holds what steps 2's exchange did not send; step 4's exchange reads it
+    "SparseLoCoMidH": ("SparseLoCo", {"sync_every": 2, "fraction": 0.1, "chunk": 16}),
 }
 
 

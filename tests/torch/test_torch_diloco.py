@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import bagua_x.torch as bxt
-from bagua_x.algorithms import DiLoCo
+from bagua_x.algorithms import DiLoCo, TopK
 from bagua_x.testing.reference import DiLoCoWorkers
 from multirank import multirank
 
@@ -23,6 +23,8 @@ CONFIGS = {
     "diloco": dict(sync_every=4),
     "streaming": dict(sync_every=4, fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5),
     "bits8": dict(sync_every=4, bits=8),
+    # SparseLoCo's outer step (lr 1, no momentum), 2 of every 16 entries sent at 2 bits, error feedback
+    "sparse": dict(sync_every=4, outer_lr=1.0, outer_momentum=0.0, compression=TopK(fraction=0.125, chunk=16)),
 }
 
 
@@ -81,11 +83,7 @@ def simulate_reference(n, names, config):
     inner = [_inner(m) for m in copies]
     data = [_data(r) for r in range(n)]
 
-    kw = dict(config)
-    workers = DiLoCoWorkers(_vector(copies[0], names), n, kw.pop("sync_every"), fragments=kw.pop("fragments", 1),
-                            delay=kw.pop("fragment_sync_delay", 0), alpha=kw.pop("fragment_update_alpha", 0.0),
-                            bits=kw.pop("bits", 32))
-    assert not kw
+    workers = DiLoCoWorkers.like(DiLoCo(**config), _vector(copies[0], names), n)
     for t in range(STEPS):
         for m, opt, (xs, ys) in zip(copies, inner, data):
             _inner_step(m, opt, xs[t], ys[t])
@@ -128,6 +126,10 @@ def _parity(name):
         exact = _vector(simulate_reference(n, names, {k: v for k, v in config.items() if k != "bits"})[rank], names)
         # quantised for real: farther from the full-precision run than float rounding could take it
         assert np.abs(got - exact).max() > 1e-4
+    if name == "sparse":  # sparse for real: the dense run with the same outer step lands far away
+        exact = _vector(simulate_reference(n, names, {k: v for k, v in config.items() if k != "compression"})[rank],
+                        names)
+        assert np.abs(got - exact).max() > 1e-2
     # bits=8: the reference quantises the same pseudo-gradients with the same formula, so the codes agree (seen:
     # 6e-8 apart, while the quantisation itself moves the weights 1.4e-3); gloo may sum ranks in another order than
     # numpy, and a sum at a code boundary then rounds to the neighbouring code: allow a few steps (~1e-4 each)
@@ -226,10 +228,7 @@ def simulate_nodes_reference(nodes, ranks_per_node, names, config):
     copies = [_model(0) for _ in range(nodes)]
     inner = [_inner(m) for m in copies]
     data = [_data(r) for r in range(nodes * ranks_per_node)]
-    kw = dict(config)
-    workers = DiLoCoWorkers(_vector(copies[0], names), nodes, kw.pop("sync_every"), fragments=kw.pop("fragments", 1),
-                            delay=kw.pop("fragment_sync_delay", 0), alpha=kw.pop("fragment_update_alpha", 0.0))
-    assert not kw
+    workers = DiLoCoWorkers.like(DiLoCo(**config), _vector(copies[0], names), nodes)
     for t in range(STEPS):
         for k, (m, opt) in enumerate(zip(copies, inner)):
             _node_step(m, opt, data[k * ranks_per_node:(k + 1) * ranks_per_node], t)
@@ -238,11 +237,17 @@ def simulate_nodes_reference(nodes, ranks_per_node, names, config):
     return copies
 
 
+TWO_NODES = {"streaming": CONFIGS["streaming"],
+             "sparse-streaming": dict(CONFIGS["sparse"], fragments=2, fragment_sync_delay=1)}
+
+
+@pytest.mark.parametrize("name", list(TWO_NODES))
 @multirank(nproc=4, timeout=180, env={"LOCAL_WORLD_SIZE": "2"})
-def test_two_nodes_streaming_with_the_exchange_in_flight():
+def test_two_nodes_streaming_with_the_exchange_in_flight(name):
     """Streaming DiLoCo (tau = 1: each exchange runs on groups of its own while the next step trains, the node's
-    gradient allreduce included) over 2 nodes of 2 ranks equals the 2-worker reference on node-mean gradients."""
-    config = CONFIGS["streaming"]
+    gradient allreduce included) over 2 nodes of 2 ranks equals the 2-worker reference on node-mean gradients;
+    sparse too (each rank sends half its node's chunks across, the node gathers the rest)."""
+    config = TWO_NODES[name]
     rank = dist.get_rank()
     model = _model(rank)
     opt = _inner(model)

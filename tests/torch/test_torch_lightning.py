@@ -62,19 +62,19 @@ def test_every_algorithm_trains(tmp_path):
     ranks = run_lightning("algorithms", tmp_path)
     local = max_diff(ranks[0]["local"]["params"], ranks[1]["local"]["params"])  # ranks never averaged
     names = ["ByteGrad", "Decentralized", "LowPrecisionDecentralized", "ModelAverage", "AsyncModelAverage", "QAdam",
-             "DiLoCo"]
+             "DiLoCo", "DiLoCo-sparse"]
     for name in names:
         for r in ranks:
             run = r[name]
-            assert run["trained_by"] == name and run["steps"] == 44
+            assert run["trained_by"] == name.removesuffix("-sparse") and run["steps"] == 44
             first, last = np.mean(run["losses"][:5]), np.mean(run["losses"][-5:])
             # DiLoCo's outer Nesterov step (0.7 x 1.9 of the pseudo-gradient at first) overshoots for a few inner
             # steps after each sync on this small problem: seen 2.305 -> 0.677, held-out accuracy 0.869
-            assert last < (0.4 if name == "DiLoCo" else 0.25) * first, f"{name}: loss {first:.3f} -> {last:.3f}"
+            assert last < (0.4 if name.startswith("DiLoCo") else 0.25) * first, f"{name}: loss {first:.3f} -> {last:.3f}"
             assert run["accuracy"] > 0.85, f"{name}: held-out accuracy {run['accuracy']:.3f}"
         apart = max_diff(ranks[0][name]["params"], ranks[1][name]["params"])
         # ModelAverage(period=4) and DiLoCo(sync_every=4): 44 steps end on an average / an outer step
-        if name in ("ByteGrad", "QAdam", "ModelAverage", "DiLoCo"):
+        if name in ("ByteGrad", "QAdam", "ModelAverage", "DiLoCo", "DiLoCo-sparse"):
             assert apart == 0.0, f"{name}: ranks differ by {apart}"
         elif name == "AsyncModelAverage":  # averages on a clock: how many rounds land in 44 steps depends on load
             assert 0 < apart < local, f"{name}: ranks {apart} apart, {local} without averaging"  # = local if none
