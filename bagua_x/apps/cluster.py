@@ -3,7 +3,11 @@
 Every node is a fresh network namespace.  Two nodes are joined by one veth
 pair; more nodes each get a veth into a switch namespace holding a bridge.
 Both ends of every inter-node veth are capped with ``tc qdisc ... tbf rate
-RATE burst 512kb latency 500ms``.  Addresses stay in the loopback range: with
+RATE burst B latency 500ms``, B what the rate sends in 4 ms, but 96 KiB at
+least (a veth hands tc segments of up to 64 KiB) and 512 KiB at most: so a
+slow link does not pass a whole small exchange as one free burst.  With
+``--delay`` (a long-distance link) a ``netem delay`` sits above the cap, on
+both ends: each direction is delayed that much.  Addresses stay in the loopback range: with
 ``net.ipv4.conf.all.route_localnet=1`` in each namespace, node K's veth end is
 ``127.1.0.(K+1)/24``.  Ranks inside a node talk over the node's own loopback,
 uncapped: a packet to an address of the namespace itself is routed through
@@ -40,7 +44,23 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-BURST, LATENCY = "512kb", "500ms"
+LATENCY = "500ms"
+BURST_MIN, BURST_MAX = 96 * 1024, 512 * 1024
+_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "bps": 8, "kbps": 8e3, "mbps": 8e6,
+          "gbps": 8e9}
+
+
+def burst_bytes(rate: str) -> int:
+    """tbf's bucket for ``rate`` (tc syntax: 10mbit, 1gbit...): 4 ms of it, within [96 KiB, 512 KiB]."""
+    text = rate.strip().lower()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            try:
+                bits_per_s = float(text[:-len(unit)]) * _UNITS[unit]
+            except ValueError:
+                break
+            return int(min(BURST_MAX, max(BURST_MIN, bits_per_s / 8 * 0.004)))
+    raise ValueError(f"cannot read the rate {rate!r}: give tc's syntax, e.g. 10mbit, 100mbit, 1gbit")
 SUBNET = "127.1.0"
 TOOLS = ("ip", "tc", "unshare", "mount", "hostname")
 
@@ -78,6 +98,7 @@ class Cluster:
 
     nodes: int
     rate: str = "1gbit"
+    delay: Optional[str] = None
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:4])
     created: list = field(default_factory=list)
     hosts_dir: Optional[str] = None
@@ -110,8 +131,19 @@ class Cluster:
         _run(["ip", "netns", "exec", name, "sysctl", "-q", "-w", "net.ipv4.conf.all.route_localnet=1"])
 
     def _cap(self, ns: str, dev: str) -> None:
-        _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
-              "burst", BURST, "latency", LATENCY])
+        tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev]
+        cap = ["tbf", "rate", self.rate, "burst", str(burst_bytes(self.rate)), "latency", LATENCY]
+        if self.delay is None:
+            _run(tc + ["root"] + cap)
+        else:
+            try:
+                _run(tc + ["root", "handle", "1:", "netem", "delay", self.delay])
+            except RuntimeError as e:
+                if "unknown" not in str(e):
+                    raise
+                raise RuntimeError(f"--delay needs tc's netem qdisc (the kernel's sch_netem), which this kernel lacks "
+                                   f"({e}); run without --delay, or on a kernel with netem") from e
+            _run(tc + ["parent", "1:", "handle", "2:"] + cap)
 
     def setup(self) -> None:
         if self.nodes < 2:
@@ -212,6 +244,7 @@ def run(
     nodes: int = 2,
     nproc_per_node: int = 1,
     inter_node: str = "1gbit",
+    delay: Optional[str] = None,
     timeout: float = 600.0,
     master_port: int = 29500,
     euid: Optional[int] = None,
@@ -228,7 +261,7 @@ def run(
     why = missing_prerequisite(euid)
     if why:
         raise ClusterUnavailable(why)
-    cluster = Cluster(nodes, inter_node)
+    cluster = Cluster(nodes, inter_node, delay)
     handlers = {}
     stopping = []  # non-empty once ranks are being stopped: later signals must not cut the teardown short
 
@@ -249,7 +282,7 @@ def run(
     try:
         try:
             cluster.setup()
-        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as e:
             raise ClusterUnavailable(f"bagua-x cluster: setting up the namespaces failed: {e}") from e
         base = dict(os.environ if env is None else env)
         base.setdefault("PYTHONUNBUFFERED", "1")
@@ -320,7 +353,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="number of nodes (network namespaces), at least 2")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (torchrun's --nproc_per_node)")
     parser.add_argument("--inter-node", default="1gbit", metavar="RATE",
-                        help="tc rate of every inter-node link, both directions (e.g. 1gbit, 100mbit)")
+                        help="tc rate of every inter-node link, both directions (e.g. 1gbit, 100mbit, 10mbit)")
+    parser.add_argument("--delay", default=None, metavar="TIME",
+                        help="added one-way delay of every inter-node link (tc netem, e.g. 30ms): a long-distance link")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds after which every rank is killed and the run fails (exit 124)")
     parser.add_argument("--master-port", type=int, default=29500,
@@ -338,7 +373,7 @@ def main(args, euid: Optional[int] = None) -> int:
         return 2
     try:
         return run(command, nodes=args.nodes, nproc_per_node=args.nproc_per_node, inter_node=args.inter_node,
-                   timeout=args.timeout, master_port=args.master_port, euid=euid)
+                   delay=args.delay, timeout=args.timeout, master_port=args.master_port, euid=euid)
     except ClusterUnavailable as e:
         print(str(e), file=sys.stderr)
         return 2

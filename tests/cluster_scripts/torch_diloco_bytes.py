@@ -2,8 +2,8 @@
 
 Usage: torch_diloco_bytes.py OUT HIERARCHICAL CONFIGS
 HIERARCHICAL is DiLoCo's setting (``none``, ``true``, ``false``); CONFIGS a JSON list of
-``{"bits": b, "fragments": p}``.  For each config a fresh 512 x 512 linear model (one bucket of
-2^18 float32) is wrapped with DiLoCo(sync_every=H, ...) and trained 2 H steps; rank 0 (on node 0)
+``{"bits": b, "fragments": p}`` or ``{"topk": {TopK's keywords}, "fragments": p, "side": S}``.  For each config
+a fresh SIDE x SIDE linear model (512 unless ``side`` says otherwise: one bucket of 2^18 float32) is wrapped with DiLoCo(sync_every=H, ...) and trained 2 H steps; rank 0 (on node 0)
 reads the node's veth byte counters (rx + tx: in a 2-node cluster every byte between the nodes
 crosses it) after a barrier before the first step, after every step and once more after a last
 barrier, and writes the cumulative counts to OUT/bytes.json.  Every reading sits between two
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import bagua_x.torch as bxt
-from bagua_x.algorithms import DiLoCo
+from bagua_x.algorithms import DiLoCo, TopK
 
 H, CYCLES, SIDE = 8, 2, 512
 
@@ -51,20 +51,24 @@ def main():
     rank = dist.get_rank()
     results = []
     for config in configs:
+        side = config.get("side", SIDE)
         torch.manual_seed(0)
-        model = torch.nn.Linear(SIDE, SIDE, bias=False)
+        model = torch.nn.Linear(side, side, bias=False)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        algorithm = DiLoCo(sync_every=H, hierarchical=hierarchical, **config)
+        settings = {k: v for k, v in config.items() if k not in ("topk", "side")}
+        if "topk" in config:
+            settings["compression"] = TopK(**config["topk"])
+        algorithm = DiLoCo(sync_every=H, hierarchical=hierarchical, **settings)
         wrapped = bxt.wrap(model, opt, algorithm=algorithm)
         gen = torch.Generator().manual_seed(rank)
         readings = [read()]
         for _ in range(CYCLES * H):
-            x, y = torch.randn(16, SIDE, generator=gen), torch.randn(16, SIDE, generator=gen)
+            x, y = torch.randn(16, side, generator=gen), torch.randn(16, side, generator=gen)
             opt.zero_grad()
             torch.nn.functional.mse_loss(wrapped(x), y).backward()
             opt.step()  # the exchange (on sync steps) is over when step() returns
             readings.append(read())
-        results.append(dict(config, sync_every=H, numel=SIDE * SIDE, offsets=algorithm.offsets(), readings=readings))
+        results.append(dict(config, sync_every=H, numel=side * side, offsets=algorithm.offsets(), readings=readings))
         wrapped.shutdown()
     if rank == 0:
         with open(os.path.join(out, "bytes.json"), "w") as f:
