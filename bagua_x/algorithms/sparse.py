@@ -108,9 +108,9 @@ class TopK:
                             xp.zeros((rows * self.chunk - numel,), dtype=xp.float32, device=device)])
         table = xp.reshape(padded, (rows, self.chunk))
         magnitude = xp.abs(table)
-        order = xp.argsort(-magnitude, axis=1, stable=True)  # ties: the lower position first
-        positions = xp.sort(order[:, :self.k], axis=1)
-        values = xp.take_along_axis(table, positions, axis=1)
+        positions, chosen, slot = self._select(xp.where(xp.isnan(magnitude), xp.full_like(magnitude, math.inf),
+                                                        magnitude))
+        values = xp.reshape(xp.take(padded, xp.reshape(self._offsets(positions), (-1,))), (rows, self.k))
         size = xp.abs(values)
         top = xp.max(magnitude, axis=1, keepdims=True)  # NaN/inf anywhere in the chunk: NaN/inf here
         data = self._offsets(positions) < real
@@ -130,7 +130,10 @@ class TopK:
         payload = xp.concat([_pack_bits(xp.reshape(positions, (-1,)), self.index_bits),
                              _pack_bits(xp.reshape(codes, (-1,)), self.bits),
                              xp.reshape(bounds.view(xp.uint8), (-1,))])
-        return payload, self._dense(positions, self._values(codes, low, top), numel, real)
+        sent = xp.take(xp.reshape(self._values(codes, low, top), (-1,)), xp.maximum(slot, 0))
+        dense = xp.where(xp.logical_and(chosen, xp.arange(rows * self.chunk, dtype=xp.int32, device=device) < real),
+                         sent, xp.zeros_like(sent))
+        return payload, dense[:numel]
 
     def decode(self, payload, numel: int, real: Optional[int] = None):
         """The float32 dense values of one payload made by :meth:`encode` of ``numel`` elements."""
@@ -165,6 +168,30 @@ class TopK:
             total = total + self.decode(payloads[r, :], numel, real)
         return total / payloads.shape[0]
 
+    def _select(self, magnitude):
+        """Each row's k largest, as ascending positions (rows, k); ties go to the lower position.  Also, flat over
+        the buffer, whether each element is chosen and, if it is, its place among the rows x k chosen.
+
+        Not a sort (n log n, 10-30x slower on a CPU): the k-th largest value per row (:func:`_kth_largest`), then
+        every position above it and, in position order, as many equal to it as make k; the positions are read
+        off the running count of the selected (one search for each of the rows x k)."""
+        xp = namespace(magnitude)
+        device = array_api_compat.device(magnitude)
+        rows = magnitude.shape[0]
+        kth = _kth_largest(magnitude, self.k)
+        above = magnitude > kth
+        tied = magnitude == kth
+        room = self.k - xp.sum(xp.astype(above, xp.int32), axis=1, keepdims=True)
+        chosen = xp.logical_or(above, xp.logical_and(tied, xp.cumulative_sum(xp.astype(tied, xp.int32), axis=1)
+                                                     <= room))
+        running = xp.reshape(xp.cumulative_sum(xp.astype(chosen, xp.int32), axis=1)
+                             + xp.arange(rows, dtype=xp.int32, device=device)[:, None] * self.k, (-1,))
+        wanted = xp.arange(1, rows * self.k + 1, dtype=xp.int32, device=device)
+        where = xp.astype(xp.searchsorted(running, wanted), xp.int32)  # the first reaching each count
+        within = where - xp.reshape(xp.repeat(xp.arange(rows, dtype=xp.int32, device=device), self.k), (-1,)) \
+            * self.chunk
+        return xp.reshape(within, (rows, self.k)), xp.reshape(chosen, (-1,)), running - 1
+
     def _offsets(self, positions):
         """Positions within each chunk -> positions in the buffer (ascending, as the chunks' are)."""
         xp = namespace(positions)
@@ -182,6 +209,27 @@ class TopK:
         hit = xp.logical_and(xp.take(where, slot) == wanted, wanted < real)
         return xp.where(hit, xp.take(xp.reshape(values, (-1,)), slot), xp.zeros((numel,), dtype=xp.float32,
                                                                                   device=device))
+
+
+def _kth_largest(magnitude, k: int):
+    """Each row's k-th largest of non-negative floats (no NaN), shape (rows, 1), exactly.
+
+    torch tensors have ``topk`` (22 ms for 2M elements on one core, against 170 ms for a sort; the k-th value does
+    not depend on how it orders ties); elsewhere a bisection over the float32 bit patterns, which order as the
+    non-negative values do: 31 counting passes, which XLA fuses (11 ms, against 370 ms for its sort)."""
+    if hasattr(magnitude, "topk"):
+        return magnitude.topk(k, dim=1).values[:, k - 1:k]
+    xp = namespace(magnitude)
+    device = array_api_compat.device(magnitude)
+    bits = xp.asarray(magnitude, copy=True).view(xp.int32)
+    low = xp.zeros((magnitude.shape[0], 1), dtype=xp.int32, device=device)
+    high = xp.full((magnitude.shape[0], 1), 0x7F800000, dtype=xp.int32, device=device)  # +inf
+    for _ in range(31):
+        middle = low + (high - low + 1) // 2
+        enough = xp.sum(xp.astype(bits >= middle, xp.int32), axis=1, keepdims=True) >= k
+        low = xp.where(enough, middle, low)
+        high = xp.where(enough, high, middle - 1)
+    return xp.asarray(low, copy=True).view(xp.float32)
 
 
 def _pack_bits(values, width: int):
