@@ -55,7 +55,9 @@ class TopK:
         fraction: the share of each chunk sent, in (0, 1] (SparseLoCo: 1-3 %).
         bits: bits per sent value: 1, 2, 4 or 8.
         chunk: elements per chunk (positions are sent in ``ceil(log2(chunk))`` bits).
-        error_decay: beta, the error-feedback buffer's decay at each outer step, in [0, 1].
+        error_decay: beta, the error-feedback buffer's decay at each outer step, in [0, 1] (1: nothing is
+            forgotten; below 1 the buffer acts as a momentum that fades, SparseLoCo's stand-in for the outer
+            momentum).
     """
 
     fraction: float = 0.02
@@ -108,8 +110,7 @@ class TopK:
                             xp.zeros((rows * self.chunk - numel,), dtype=xp.float32, device=device)])
         table = xp.reshape(padded, (rows, self.chunk))
         magnitude = xp.abs(table)
-        positions, chosen, slot = self._select(xp.where(xp.isnan(magnitude), xp.full_like(magnitude, math.inf),
-                                                        magnitude))
+        positions = self._select(xp.where(xp.isnan(magnitude), xp.full_like(magnitude, math.inf), magnitude))
         values = xp.reshape(xp.take(padded, xp.reshape(self._offsets(positions), (-1,))), (rows, self.k))
         size = xp.abs(values)
         top = xp.max(magnitude, axis=1, keepdims=True)  # NaN/inf anywhere in the chunk: NaN/inf here
@@ -130,10 +131,7 @@ class TopK:
         payload = xp.concat([_pack_bits(xp.reshape(positions, (-1,)), self.index_bits),
                              _pack_bits(xp.reshape(codes, (-1,)), self.bits),
                              xp.reshape(bounds.view(xp.uint8), (-1,))])
-        sent = xp.take(xp.reshape(self._values(codes, low, top), (-1,)), xp.maximum(slot, 0))
-        dense = xp.where(xp.logical_and(chosen, xp.arange(rows * self.chunk, dtype=xp.int32, device=device) < real),
-                         sent, xp.zeros_like(sent))
-        return payload, dense[:numel]
+        return payload, self._dense(positions, self._values(codes, low, top), numel, real)
 
     def decode(self, payload, numel: int, real: Optional[int] = None):
         """The float32 dense values of one payload made by :meth:`encode` of ``numel`` elements."""
@@ -169,8 +167,7 @@ class TopK:
         return total / payloads.shape[0]
 
     def _select(self, magnitude):
-        """Each row's k largest, as ascending positions (rows, k); ties go to the lower position.  Also, flat over
-        the buffer, whether each element is chosen and, if it is, its place among the rows x k chosen.
+        """Each row's k largest, as ascending positions (rows, k); ties go to the lower position.
 
         Not a sort (n log n, 10-30x slower on a CPU): the k-th largest value per row (:func:`_kth_largest`), then
         every position above it and, in position order, as many equal to it as make k; the positions are read
@@ -190,7 +187,7 @@ class TopK:
         where = xp.astype(xp.searchsorted(running, wanted), xp.int32)  # the first reaching each count
         within = where - xp.reshape(xp.repeat(xp.arange(rows, dtype=xp.int32, device=device), self.k), (-1,)) \
             * self.chunk
-        return xp.reshape(within, (rows, self.k)), xp.reshape(chosen, (-1,)), running - 1
+        return xp.reshape(within, (rows, self.k))
 
     def _offsets(self, positions):
         """Positions within each chunk -> positions in the buffer (ascending, as the chunks' are)."""
@@ -199,16 +196,26 @@ class TopK:
         return xp.astype(positions, xp.int32) + starts[:, None] * self.chunk
 
     def _dense(self, positions, values, numel: int, real: int):
-        """Values at ascending positions per chunk -> a dense float32 vector of ``numel``, zero from ``real`` on
-        (a gather, not a scatter: the Array API has none)."""
+        """Values at ascending positions per chunk -> a dense float32 vector of ``numel``, zero from ``real`` on.
+
+        A scatter where the array has one (torch's ``index_add_``, JAX's ``.at``: O(k) per chunk, 20-40x faster
+        than the search on a CPU; positions never repeat within a payload, so adding is placing), else a gather
+        (the Array API has no scatter): each position looks itself up among the sent ones."""
         xp = namespace(values)
         device = array_api_compat.device(values)
         where = xp.reshape(self._offsets(positions), (-1,))
+        flat = xp.reshape(values, (-1,))
+        size = positions.shape[0] * self.chunk
+        flat = xp.where(where < real, flat, xp.zeros_like(flat))
+        out = xp.zeros((size,), dtype=xp.float32, device=device)
+        if hasattr(out, "index_add_"):
+            return out.index_add_(0, where.long(), flat)[:numel]
+        if hasattr(out, "at"):
+            return out.at[where].add(flat)[:numel]
         wanted = xp.arange(numel, dtype=xp.int32, device=device)
         slot = xp.minimum(xp.astype(xp.searchsorted(where, wanted), xp.int32), where.shape[0] - 1)
-        hit = xp.logical_and(xp.take(where, slot) == wanted, wanted < real)
-        return xp.where(hit, xp.take(xp.reshape(values, (-1,)), slot), xp.zeros((numel,), dtype=xp.float32,
-                                                                                  device=device))
+        hit = xp.take(where, slot) == wanted
+        return xp.where(hit, xp.take(flat, slot), xp.zeros((numel,), dtype=xp.float32, device=device))
 
 
 def _kth_largest(magnitude, k: int):

@@ -13,7 +13,7 @@ MLP_WIDTH, MLP_LAYERS, MLP_CLASSES, MLP_BATCH = 1024, 12, 10, 64
 VOCAB, WIDTH, HEADS, LAYERS, SEQ, TRANSFORMER_BATCH = 8192, 256, 4, 12, 32, 4
 
 ALGORITHMS = ("allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "model_average", "qadam",
-              "diloco", "streaming_diloco")
+              "diloco", "streaming_diloco", "sparseloco")
 
 
 def make_algorithm(name: str):
@@ -28,4 +28,5 @@ def make_algorithm(name: str):
         # whole outer cycles: 1 exchange of the model (DiLoCo), or of a 4-bit fifth every step (streaming)
         "diloco": lambda: A.DiLoCo(sync_every=5, hierarchical=False),
         "streaming_diloco": lambda: A.DiLoCo(sync_every=5, fragments=5, bits=4, hierarchical=False),
+        "sparseloco": lambda: A.SparseLoCo(sync_every=5, hierarchical=False),  # TopK 2 % at 2 bits
     }[name]()
