@@ -8,7 +8,8 @@ Utilisation is (steps x compute-only step time) / wall time: the compute-only
 step is the same model and optimizer with no communication at all, timed in
 the same job on the same ranks.  Settings: GradientAllReduce, ByteGrad,
 DiLoCo(sync_every=H) with the pseudo-gradient in 32, 8 and 4 bits, and
-SparseLoCo(sync_every=H) (TopK 2 % at 2 bits, error feedback); all in their
+SparseLoCo(sync_every=H) (TopK 2 % at 2 bits, error feedback), also streamed
+(4 fragments, each exchange overlapping the next step); all in their
 default form, which on 2 nodes of 2 ranks is two levels for DiLoCo (a node is
 one worker, its ranks averaging gradients every step); ``--flat``: every rank
 a DiLoCo worker, nothing exchanged between the syncs.  ``digits``: the demo's
@@ -34,16 +35,18 @@ from bagua_x.algorithms import ByteGrad, DiLoCo, GradientAllReduce, SparseLoCo
 from bagua_x.apps.data import load_digits_split, rank_batches
 
 
-def settings(h: int, flat: bool, only_diloco: bool):
+def settings(h: int, flat: bool):
     """(name, algorithm or None for compute only, whether it communicates every step)."""
     yield "compute only", None, False
-    if not only_diloco:
-        yield "GradientAllReduce", GradientAllReduce(), True
-        yield "ByteGrad", ByteGrad(), True
+    yield "GradientAllReduce", GradientAllReduce(), True
+    yield "ByteGrad", ByteGrad(), True
     form, suffix = (False, " flat") if flat else (None, "")
     for bits in (32, 8, 4):
         yield f"DiLoCo H={h} {bits} bits{suffix}", DiLoCo(sync_every=h, bits=bits, hierarchical=form), False
     yield f"SparseLoCo H={h} 2% 2 bits{suffix}", SparseLoCo(sync_every=h, hierarchical=form), False
+    # Streaming: each quarter's exchange in flight while the next step computes (torch overlaps it)
+    yield (f"SparseLoCo H={h} P=4 tau=1{suffix}",
+           SparseLoCo(sync_every=h, fragments=4, fragment_sync_delay=1, hierarchical=form), False)
 
 
 # -- torch ---------------------------------------------------------------------------------------------------
@@ -125,7 +128,7 @@ def jax_run(name, algorithm, steps, args, data) -> dict:
         return p, o, state
 
     pstep = jax.pmap(step, axis_name="batch")
-    placed = jax.device_put_replicated(params, jax.local_devices()) if dp is None else dp.replicate(params)
+    placed = jax.tree.map(lambda a: a[None], params) if dp is None else dp.replicate(params)  # one local device
     carry = (placed, jax.pmap(tx.init)(placed), () if dp is None else dp.init())
     batches = list(rank_batches(data[0], data[1], rank, world, args.batch, steps + 1, args.seed))
     carry = jax.block_until_ready(pstep(*carry, batches[0][0][None], batches[0][1][None]))  # compiles: untimed
@@ -164,7 +167,8 @@ def main():
                         help="steps for the settings that communicate every step (default: --steps)")
     parser.add_argument("--h", type=int, default=32)
     parser.add_argument("--flat", action="store_true", help="DiLoCo and SparseLoCo flat: every rank a worker")
-    parser.add_argument("--only-diloco", action="store_true", help="leave out GradientAllReduce and ByteGrad")
+    parser.add_argument("--only", nargs="+", metavar="PREFIX",
+                        help="only the settings whose names start so (e.g. DiLoCo SparseLoCo); compute only always")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
@@ -190,7 +194,9 @@ def main():
         rank, run = dist.get_rank(), torch_run
     data = load_digits_split(args.seed) if args.model == "digits" else None
     rows = []
-    for name, algorithm, every_step in settings(args.h, args.flat, args.only_diloco):
+    for name, algorithm, every_step in settings(args.h, args.flat):
+        if algorithm is not None and args.only and not name.startswith(tuple(args.only)):
+            continue
         steps = args.per_step_steps if every_step and args.per_step_steps else args.steps
         rows.append(run(name, algorithm, steps, args, data))
         rows[-1]["step_ms"] = 1000 * rows[-1]["wall_s"] / steps
