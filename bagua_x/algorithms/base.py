@@ -78,6 +78,9 @@ def state_from_dict(template: NamedTuple, saved: dict, where: str) -> NamedTuple
     another algorithm (or version) never loads half its state silently.
     """
     fields = type(template)._fields
+    # a field that is empty here carries nothing to restore: a state saved before it existed (DiLoCo's ``error``
+    # without compression) still loads
+    saved = {**{f: getattr(template, f) for f in fields if f not in saved and _empty(getattr(template, f))}, **saved}
     missing = [f for f in fields if f not in saved]
     unknown = sorted(str(k) for k in saved if k not in fields)
     if missing or unknown:
@@ -87,6 +90,11 @@ def state_from_dict(template: NamedTuple, saved: dict, where: str) -> NamedTuple
             "saved with the same ones"
         )
     return type(template)(**{f: saved[f] for f in fields})
+
+
+def _empty(value) -> bool:
+    shape = getattr(value, "shape", None)
+    return shape is not None and 0 in tuple(shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -202,3 +202,19 @@ def test_two_levels_node_is_one_worker():
         np.testing.assert_array_equal(state.error, results[r // 2 * 2][1].error)
     flat = simulate(alg, 2)[1][0].bytes_sent()
     assert comms[0].across.bytes_sent() == pytest.approx(flat / 2, rel=0.1)
+
+
+def test_a_diloco_state_saved_before_the_error_buffer_still_loads():
+    """Checkpoints of dense DiLoCo made before the ``error`` field existed load (the field is empty there); a
+    sparse DiLoCo, whose buffer has to come from the checkpoint, refuses them by name."""
+    from bagua_x.algorithms.base import state_from_dict
+
+    flat = sample(10)
+    old = {k: v for k, v in DiLoCo(sync_every=2).init(flat, flat_layout(flat), 2)._asdict().items() if k != "error"}
+    dense = DiLoCo(sync_every=2).init(flat, flat_layout(flat), 2)
+    loaded = state_from_dict(dense, old, "bucket 'b'")
+    assert type(loaded) is type(dense) and loaded.error.shape == (0,)
+    np.testing.assert_array_equal(loaded.global_weights, old["global_weights"])
+    sparse = SparseLoCo(sync_every=2).init(flat, flat_layout(flat), 2)
+    with pytest.raises(BaguaXError, match=r"missing \['error'\]"):
+        state_from_dict(sparse, old, "bucket 'b'")
