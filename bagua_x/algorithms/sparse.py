@@ -127,7 +127,7 @@ class TopK:
         keep = xp.logical_and(xp.isfinite(level), spread > 0)  # one magnitude (1 bit, or all equal): level 0
         level = xp.where(keep, xp.clip(level, 0, steps), xp.zeros_like(level))
         codes = xp.astype(level, xp.int32) + xp.astype(values < 0, xp.int32) * (2 ** (self.bits - 1))
-        bounds = xp.asarray(xp.concat([low, top], axis=1), copy=True)
+        bounds = xp.asarray(xp.concat([low, top], axis=1), copy=True, device=device)
         payload = xp.concat([_pack_bits(xp.reshape(positions, (-1,)), self.index_bits),
                              _pack_bits(xp.reshape(codes, (-1,)), self.bits),
                              xp.reshape(bounds.view(xp.uint8), (-1,))])
@@ -141,7 +141,8 @@ class TopK:
         cut2 = cut + math.ceil(sent * self.bits / 8)
         positions = xp.reshape(_unpack_bits(payload[:cut], self.index_bits, sent), (rows, self.k))
         codes = xp.reshape(_unpack_bits(payload[cut:cut2], self.bits, sent), (rows, self.k))
-        header = xp.asarray(payload[cut2:], copy=True)  # contiguous and aligned, to be read as float32
+        header = xp.asarray(payload[cut2:], copy=True,  # contiguous and aligned, to be read as float32
+                            device=array_api_compat.device(payload))
         bounds = xp.reshape(header.view(xp.float32), (rows, 2))
         return self._dense(positions, self._values(codes, bounds[:, 0:1], bounds[:, 1:2]), numel,
                            numel if real is None else real)
@@ -228,7 +229,7 @@ def _kth_largest(magnitude, k: int):
         return magnitude.topk(k, dim=1).values[:, k - 1:k]
     xp = namespace(magnitude)
     device = array_api_compat.device(magnitude)
-    bits = xp.asarray(magnitude, copy=True).view(xp.int32)
+    bits = xp.asarray(magnitude, copy=True, device=device).view(xp.int32)
     low = xp.zeros((magnitude.shape[0], 1), dtype=xp.int32, device=device)
     high = xp.full((magnitude.shape[0], 1), 0x7F800000, dtype=xp.int32, device=device)  # +inf
     for _ in range(31):
@@ -236,7 +237,7 @@ def _kth_largest(magnitude, k: int):
         enough = xp.sum(xp.astype(bits >= middle, xp.int32), axis=1, keepdims=True) >= k
         low = xp.where(enough, middle, low)
         high = xp.where(enough, high, middle - 1)
-    return xp.asarray(low, copy=True).view(xp.float32)
+    return xp.asarray(low, copy=True, device=device).view(xp.float32)
 
 
 def _pack_bits(values, width: int):
