@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from ..algorithms import (
-    ByteGrad, Decentralized, DiLoCo, GradientAllReduce, LowPrecisionDecentralized, ModelAverage, QAdam,
+    ByteGrad, Decentralized, DiLoCo, GradientAllReduce, LowPrecisionDecentralized, ModelAverage, QAdam, SparseLoCo,
 )
 
-NAMES = ["allreduce", "bytegrad", "decentralized", "lowprec", "qadam", "model_average", "diloco", "streaming"]
+NAMES = ["allreduce", "bytegrad", "decentralized", "lowprec", "qadam", "model_average", "diloco", "streaming",
+         "sparseloco"]
+# what `bagua-x demo` runs unless told: the baseline and one algorithm for each kind of link, as slow as it gets
+# (ModelAverage, the decentralized ones and QAdam serve other needs; --algorithms runs them)
+DEMO = ["allreduce", "bytegrad", "diloco", "sparseloco"]
 
 
 def make(name: str, steps: int):
@@ -24,6 +28,8 @@ def make(name: str, steps: int):
         # demo's step functions run in both frontends; streaming's exchange overlaps the next step (tau = 1)
         "diloco": lambda: DiLoCo(sync_every=8, hierarchical=False),
         "streaming": lambda: DiLoCo(sync_every=8, fragments=4, fragment_sync_delay=1, bits=4, hierarchical=False),
+        # the paper's exchange (top 2 % of each 4096-element chunk, 2 bits, error feedback) at the demo's H
+        "sparseloco": lambda: SparseLoCo(sync_every=8, hierarchical=False),
     }
     if name not in factories:
         raise SystemExit(f"unknown algorithm {name!r}; choose from {', '.join(NAMES)}")

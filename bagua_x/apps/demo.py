@@ -1,21 +1,22 @@
-"""``bagua-x demo``: loss against wall-clock time for every algorithm, on a link where communication matters.
+"""``bagua-x demo``: each algorithm's time to a target accuracy on links of 1 Gbit/s, 100 Mbit/s and 10 Mbit/s.
 
-On uncapped loopback communication is nearly free, every algorithm follows the
-same curve and compression only adds work; the point of the algorithms shows
-on a slow link.  So the PyTorch runs, the headline, train a 4.3 M-parameter MLP
-(17 MB of gradient a step) on 2 nodes x 2 ranks joined by a 1 Gbit/s link
-(``bagua-x cluster``'s network namespaces) when run as root; failing that, 4
-ranks on one loopback capped at 1 Gbit/s (root and iproute2); failing that,
-plain loopback, with a note.  Every algorithm gets the same clock budget
-(more if it has not reached the target accuracy by then), and the demo reports
-the time to reach the target held-out accuracy and the speedup over allreduce.
+What each algorithm is for shows only where communication costs something:
+on uncapped loopback every algorithm follows the same curve and compression
+only adds work.  So both frontends train a 1.1 M-parameter MLP (4.5 MB of
+gradient a step) on 2 nodes x 2 ranks joined by a capped link (``bagua-x
+cluster``'s network namespaces) when run as root; failing that, 4 ranks on one
+loopback capped at the same rate (root and iproute2); failing that, plain
+loopback, once, with a note.
 
-The JAX runs then do the same on the same network (``demo_jax``: one CPU
-device per process, gloo across processes) with a narrower MLP (1.1 M
-parameters, 4.5 MB of gradient a step, still communication-bound at 1 Gbit/s)
-and a shorter clock (2 s): JAX compiles every algorithm's step first, and 4
-JAX processes share the 2 cores, so the big model and the torch clock would
-take the demo past its 5 minutes from a fresh clone.
+At the first link every algorithm trains for the same clock, and on until it
+reaches the target held-out accuracy: its loss curve and its time to target.
+At each slower link it takes the same steps (same seeds, same numbers) and only
+its step time changes, so it trains up to the step at which it reached the
+target, or stops at ``--cap`` seconds once past its first step, form trial and
+one whole exchange period, and the rest is projected at that period's step
+time (marked ~ in the table; :mod:`.demo_run`).  That keeps the three links and
+both frontends within 8 minutes on a 2-core machine; ``bagua-x bench`` has the
+full sweeps.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from . import cluster
-from .algorithms import NAMES
-from .demo_report import plot, summarize, table
+from .algorithms import DEMO, NAMES
+from .demo_report import plot, summarize, table, target_step
 from .launch import can_cap, capped_namespace, free_port, torchrun
 
 SETTINGS = ("auto", "cluster", "capped", "loopback")
@@ -38,19 +40,20 @@ SETTINGS = ("auto", "cluster", "capped", "loopback")
 
 def add_arguments(parser) -> None:
     parser.add_argument("--frontend", choices=["torch", "jax", "both"], default="both")
-    parser.add_argument("--algorithms", nargs="+", default=NAMES, metavar="NAME", help=f"from {', '.join(NAMES)}")
+    parser.add_argument("--algorithms", nargs="+", default=DEMO, metavar="NAME", help=f"from {', '.join(NAMES)}")
     parser.add_argument("--setting", choices=SETTINGS, default="auto",
-                        help="torch's network: 2x2 cluster, one capped loopback, or plain loopback (auto: the first "
+                        help="the network: 2x2 cluster, one capped loopback, or plain loopback (auto: the first "
                              "that works here)")
-    parser.add_argument("--link", default="1gbit", metavar="RATE", help="inter-node (or capped) link rate, tc syntax")
+    parser.add_argument("--links", nargs="+", default=["1gbit", "100mbit", "10mbit"], metavar="RATE",
+                        help="inter-node (or capped) link rates, tc syntax; the first one trains every algorithm "
+                             "to the target, the others take the same steps (or project them past --cap)")
     parser.add_argument("--target", type=float, default=0.9, help="held-out accuracy whose time to reach is reported")
-    parser.add_argument("--seconds", type=float, default=8.0,
-                        help="torch: training clock per algorithm (longer until --target is reached)")
-    parser.add_argument("--steps", type=int, default=200, help="torch: at most this many steps per algorithm")
-    parser.add_argument("--hidden", type=int, default=2048, help="torch: width of the MLP's 2 hidden layers")
-    parser.add_argument("--jax-seconds", type=float, default=2.0, help="JAX: training clock per algorithm")
-    parser.add_argument("--jax-steps", type=int, default=200, help="JAX: at most this many steps per algorithm")
-    parser.add_argument("--jax-hidden", type=int, default=1024, help="JAX: width of the MLP's 2 hidden layers")
+    parser.add_argument("--seconds", type=float, default=2.5,
+                        help="first link: training clock per algorithm (longer until --target is reached)")
+    parser.add_argument("--cap", type=float, default=4.0,
+                        help="slower links: the clock per algorithm past which the steps left are projected")
+    parser.add_argument("--steps", type=int, default=200, help="at most this many steps per algorithm")
+    parser.add_argument("--hidden", type=int, default=1024, help="width of the MLP's 2 hidden layers")
     parser.add_argument("--batch", type=int, default=16, help="per-rank batch size")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (QAdam uses its own)")
     parser.add_argument("--seed", type=int, default=0)
@@ -60,16 +63,15 @@ def add_arguments(parser) -> None:
 DESCRIBED = {"cluster": "2 nodes x 2 ranks, {rate} inter-node link (network namespaces)",
              "capped": "4 ranks on one loopback capped at {rate}", "loopback": "4 ranks on uncapped loopback"}
 LOOPBACK_NOTE = ("the ranks talk over uncapped loopback, where communication is nearly free, so compression "
-                 "cannot pay off here; as root the demo runs on a 2-node cluster with a 1 Gbit/s link")
+                 "cannot pay off here; as root the demo runs on a 2-node cluster with capped links")
 
 
-def title(frontend: str, args, setting: str) -> str:
-    hidden = args.hidden if frontend == "torch" else args.jax_hidden
+def title(frontend: str, args, setting: str, link: Optional[str]) -> str:
     name = "PyTorch" if frontend == "torch" else "JAX"
-    return f"{name}: MLP 64-{hidden}-{hidden}-10, {DESCRIBED[setting].format(rate=args.link)}"
+    return f"{name}: MLP 64-{args.hidden}-{args.hidden}-10, {DESCRIBED[setting].format(rate=link)}"
 
 
-def choose_setting(requested: str, rate: str) -> tuple[str, str]:
+def choose_setting(requested: str) -> tuple[str, str]:
     """(setting, a note saying why not the cluster, or "")."""
     why = cluster.missing_prerequisite()
     if requested == "cluster" and why:
@@ -78,13 +80,15 @@ def choose_setting(requested: str, rate: str) -> tuple[str, str]:
         raise SystemExit("--setting capped needs root and iproute2 (ip, tc)")
     setting = requested if requested != "auto" else "cluster" if not why else "capped" if can_cap() else "loopback"
     if setting == "capped" and requested == "auto":
-        return setting, f"note: no cluster here ({why}), so every link is capped at {rate}, intra-node ones too"
+        return setting, f"note: no cluster here ({why}), so each rate caps every link, intra-node ones too"
     return setting, "note: " + LOOPBACK_NOTE if setting == "loopback" else ""
 
 
-def run(frontend: str, args, setting: str, note: str) -> tuple[list, str, str]:
-    """All algorithms of ``frontend`` in one job (``demo_torch`` or ``demo_jax``): (process 0's runs, the setting
-    used, its note).
+def run(frontend: str, args, setting: str, note: str, link: Optional[str] = None,
+        reference: Optional[dict] = None) -> tuple[list, str, str]:
+    """The algorithms of ``frontend`` in one job (``demo_torch`` or ``demo_jax``) at ``link``: (process 0's runs,
+    the setting used, its note).  ``reference``: at a slower link, the step at which each algorithm reached the
+    target at the first one (only those run).
 
     With ``--setting auto``, a network whose namespaces cannot be made here
     (root without the right to make them, as in some containers) gives way to
@@ -92,12 +96,13 @@ def run(frontend: str, args, setting: str, note: str) -> tuple[list, str, str]:
     """
     while True:
         print(f"bagua-x demo on the digits, target {args.target:.0%} held-out accuracy; "
-              f"{title(frontend, args, setting)}")
+              f"{title(frontend, args, setting, link)}")
         if note:
             print(note)
         sys.stdout.flush()  # before the ranks' output
         try:
-            return _job(frontend, args, setting), setting, note
+            runs = _job(frontend, args, setting, link if setting != "loopback" else None, reference)
+            return [{**r, "link": link if setting != "loopback" else None} for r in runs], setting, note
         except (cluster.ClusterUnavailable, subprocess.CalledProcessError) as e:
             if args.setting != "auto" or setting == "loopback":
                 raise SystemExit(f"bagua-x demo: {e}") from e
@@ -106,25 +111,43 @@ def run(frontend: str, args, setting: str, note: str) -> tuple[list, str, str]:
                 f"; {LOOPBACK_NOTE}" if setting == "loopback" else "")
 
 
-def _job(frontend: str, args, setting: str) -> list[dict]:
+def _job(frontend: str, args, setting: str, link: Optional[str], reference: Optional[dict]) -> list[dict]:
+    algorithms = args.algorithms if reference is None else [a for a in args.algorithms if a in reference]
     with tempfile.TemporaryDirectory(prefix="bagua_x_demo_") as tmp:
         path = os.path.join(tmp, f"{frontend}.json")
-        steps, seconds, hidden = ((args.steps, args.seconds, args.hidden) if frontend == "torch" else
-                                  (args.jax_steps, args.jax_seconds, args.jax_hidden))
-        argv = ["-m", f"bagua_x.apps.demo_{frontend}", "--json", path, "--steps", str(steps),
-                "--seconds", str(seconds), "--target", str(args.target), "--hidden", str(hidden),
-                "--batch", str(args.batch), "--lr", str(args.lr), "--seed", str(args.seed), *args.algorithms]
+        argv = ["-m", f"bagua_x.apps.demo_{frontend}", "--json", path, "--steps", str(args.steps),
+                "--seconds", str(args.seconds), "--target", str(args.target), "--hidden", str(args.hidden),
+                "--batch", str(args.batch), "--lr", str(args.lr), "--seed", str(args.seed), *algorithms]
+        if reference is not None:
+            argv += ["--cap", str(args.cap), "--reference", *(f"{a}={reference[a]}" for a in algorithms)]
         if setting == "cluster":
-            code = cluster.run([sys.executable, *argv], nodes=2, nproc_per_node=2, inter_node=args.link,
+            code = cluster.run([sys.executable, *argv], nodes=2, nproc_per_node=2, inter_node=link,
                                master_port=free_port())
         elif setting == "capped":
-            with capped_namespace(args.link) as prefix:
+            with capped_namespace(link) as prefix:
                 code = torchrun(4, argv, prefix)
         else:
             code = torchrun(4, argv)
         if code != 0:
             raise SystemExit(f"bagua-x demo: the {frontend} runs failed (exit status {code})")
         return json.loads(Path(path).read_text())
+
+
+def _frontend(frontend: str, args, setting: str, note: str) -> tuple[list, str, str]:
+    """Every link of one frontend: the first trains each algorithm to the target, the slower ones take its steps."""
+    runs, reference = [], None
+    for link in args.links:
+        started = time.monotonic()
+        link_runs, setting, note = run(frontend, args, setting, note, link, reference)
+        print(f"  ({time.monotonic() - started:.0f} s)")
+        runs += link_runs
+        if setting == "loopback":  # one uncapped network: the rates do not apply
+            break
+        if reference is None:
+            reference = {r["algorithm"]: step for r in link_runs if (step := target_step(r, args.target))}
+            if missed := [a for a in args.algorithms if a not in reference]:
+                print(f"  not run at the slower links: {', '.join(missed)} (missed the target in {args.steps} steps)")
+    return runs, setting, note
 
 
 def main(args) -> int:
@@ -134,13 +157,13 @@ def main(args) -> int:
     if unknown:
         raise SystemExit(f"unknown algorithm {', '.join(sorted(unknown))}; choose from {', '.join(NAMES)}")
     started = time.monotonic()
-    setting, note = choose_setting(args.setting, args.link)
+    setting, note = choose_setting(args.setting)
     runs, titles = [], {}
     for frontend in ("torch", "jax"):
         if args.frontend in (frontend, "both"):
-            frontend_runs, setting, note = run(frontend, args, setting, note)
+            frontend_runs, setting, note = _frontend(frontend, args, setting, note)
             runs += frontend_runs
-            titles[frontend] = title(frontend, args, setting)
+            titles[frontend] = title(frontend, args, setting, "/".join(args.links))
             print(f"  ({time.monotonic() - started:.0f} s so far)")
     summarize(runs, args.target)
     out = Path(args.out)
@@ -148,9 +171,9 @@ def main(args) -> int:
     plot(runs, titles, args.target, out / "demo.png")
     wall = time.monotonic() - started
     (out / "demo.json").write_text(json.dumps({
-        "setting": setting, "description": titles, "link": args.link if setting != "loopback" else None,
+        "setting": setting, "description": titles, "links": args.links if setting != "loopback" else [None],
         "note": note, "target_accuracy": args.target, "wall_s": wall, "runs": runs}, indent=1))
     print()
     print(table(runs, args.target))
-    print(f"\n{wall:.0f} s in all; wrote {out / 'demo.json'} (table) and {out / 'demo.png'} (loss vs time)")
+    print(f"\n{wall:.0f} s in all; wrote {out / 'demo.json'} (table) and {out / 'demo.png'} (time to target, loss)")
     return 0

@@ -6,9 +6,9 @@ Launched like the torch job (on the 2 x 2 cluster, a capped loopback or plain
 loopback), one CPU device per process, joined by
 ``bagua_x.jax.init_distributed`` from torchrun's variables.  One job runs all
 the algorithms in turn: starting JAX and connecting its processes costs more
-than a short run on a 2-core machine.  Each algorithm trains for ``--seconds``
-on the clock, then on until its held-out accuracy reaches ``--target``, never
-past ``--steps``.  The clock counts training steps only: the first step traces
+than a short run on a 2-core machine.  When each run stops is
+:mod:`.demo_run`'s plan (no form trial here: JAX times the two forms at
+``wrap``, off the clock).  The clock counts training steps only: the first step traces
 and compiles the algorithm's program (once), and the held-out evaluations are
 off it; each evaluation ends in a gather across processes, so a process that
 evaluates faster does not charge its wait to the next step.
@@ -16,7 +16,6 @@ evaluates faster does not charge its wait to the next step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -54,6 +53,7 @@ def train(algo_name: str, args, data) -> dict:
 
     from .algorithms import make
     from .data import rank_batches
+    from .demo_run import plan_for
 
     rank, world = jax.process_index(), jax.process_count()
     x_tr, y_tr, x_te, y_te = data
@@ -65,6 +65,7 @@ def train(algo_name: str, args, data) -> dict:
     params = init_mlp(jax.random.PRNGKey(args.seed + rank), args.hidden)  # apart: replicate() broadcasts process 0's
     algorithm = make(algo_name, args.steps)
     dp = bxj.wrap(params, algorithm=algorithm, axis_name="batch")
+    plan = plan_for(algorithm, args, args.reference.get(algo_name), trial_steps=0)
     tx = dp.optimizer() if algorithm.target is Target.MOMENTUM else optax.sgd(args.lr, momentum=0.9)
     # each call communicates for one target and refuses the others: gradients here, weights
     # before (decentralized: x <- avg(x_t), then the gradient taken at x_t) or after the update
@@ -105,11 +106,11 @@ def train(algo_name: str, args, data) -> dict:
         clock += 0.0 if i == 1 else time.perf_counter() - start  # step 1 traces and compiles: off the clock
         losses.append(loss)
         seconds.append(clock)
-        if i % args.eval_every == 0 or i == args.steps:
+        if plan.evaluates(i):
             accuracy, slowest = evaluate(clock)
             evals.append([i, accuracy])
             reached = reached or accuracy >= args.target
-            if slowest >= args.seconds and reached:
+            if plan.done(i, slowest, reached):
                 break
 
     n = len(losses)
@@ -121,18 +122,14 @@ def train(algo_name: str, args, data) -> dict:
         "step_ms": 1000 * float(every[:, -1].max()) / max(n - 1, 1),
         "bytes_per_step": float(sum(algorithm.wire_bytes(layout, 4, world) for layout in dp.layouts)),
         "parameters": int(sum(x.size for x in jax.tree_util.tree_leaves(dp.unreplicate(params)))),
+        **plan.record(),
     }
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("algorithms", nargs="+")
-    parser.add_argument("--json", required=True, help="where process 0 writes the list of runs")
-    for name, kind, default in (("steps", int, 200), ("batch", int, 16), ("lr", float, 0.05), ("seed", int, 0),
-                                ("hidden", int, 2048), ("eval-every", int, 4),
-                                ("seconds", float, 8.0), ("target", float, 0.9)):
-        parser.add_argument(f"--{name}", type=kind, default=default)
-    args = parser.parse_args(argv)
+    from .demo_run import job_arguments
+
+    args = job_arguments(__doc__.split("\n\n")[0], argv)
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # one device per process
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -4,10 +4,8 @@
 
 One job runs all the algorithms in turn, so the processes start (and gloo
 connects) once, not once per algorithm: on a 2-core machine that start costs
-more than a short training run.  Each algorithm trains for ``--seconds`` on
-the clock, then on until its held-out accuracy reaches ``--target``, never past
-``--steps``: equal time for all, and a time to target for every one that
-trains.  The clock counts training steps only: the first step (it connects and
+more than a short training run.  When each run stops is :mod:`.demo_run`'s
+plan.  The clock counts training steps only: the first step (it connects and
 compiles kernels, once) and the held-out evaluations are off it, and each
 evaluation ends in a collective, so a rank that evaluates faster does not
 charge its wait to the next step.
@@ -15,7 +13,6 @@ charge its wait to the next step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -38,8 +35,10 @@ def train(algo_name: str, args, data) -> dict:
     import bagua_x.torch as bxt
     from bagua_x.algorithms import QAdam
 
+    from ..core.autotune import StepTrial
     from .algorithms import make
     from .data import rank_batches
+    from .demo_run import plan_for
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x_tr, y_tr, x_te, y_te = data
@@ -53,6 +52,7 @@ def train(algo_name: str, args, data) -> dict:
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     wrapped = bxt.wrap(model, optimizer, algorithm=algorithm)
+    plan = plan_for(algorithm, args, args.reference.get(algo_name), StepTrial().steps if algorithm.timed_form else 0)
 
     def evaluate(clock: float) -> tuple[float, float]:
         """Held-out accuracy (each rank's own model on its share of the held-out set) and the slowest clock."""
@@ -79,11 +79,11 @@ def train(algo_name: str, args, data) -> dict:
             clock += time.perf_counter() - start
         losses.append(loss.item())
         seconds.append(clock)
-        if step % args.eval_every == 0 or step == args.steps:
+        if plan.evaluates(step):
             accuracy, slowest = evaluate(clock)
             evals.append([step, accuracy])
             reached = reached or accuracy >= args.target
-            if slowest >= args.seconds and reached:
+            if plan.done(step, slowest, reached):
                 break
     wrapped.shutdown()
 
@@ -95,19 +95,14 @@ def train(algo_name: str, args, data) -> dict:
         "evals": evals, "accuracy": evals[-1][1], "step_ms": 1000 * float(clocks[-1]) / max(len(losses) - 1, 1),
         "first_step_s": first_step,
         "bytes_per_step": sum(algorithm.wire_bytes(b.layout, b.itemsize, world) for b in wrapped.buckets),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": sum(p.numel() for p in model.parameters()), **plan.record(),
     }
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("algorithms", nargs="+")
-    parser.add_argument("--json", required=True, help="where rank 0 writes the list of runs")
-    for name, kind, default in (("steps", int, 200), ("batch", int, 16), ("lr", float, 0.05), ("seed", int, 0),
-                                ("hidden", int, 2048), ("eval-every", int, 4),
-                                ("seconds", float, 8.0), ("target", float, 0.9)):
-        parser.add_argument(f"--{name}", type=kind, default=default)
-    args = parser.parse_args(argv)
+    from .demo_run import job_arguments
+
+    args = job_arguments(__doc__.split("\n\n")[0], argv)
 
     import torch
     import torch.distributed as dist
