@@ -2,7 +2,7 @@
 # torch==2.13.0 is installed first and pinned here: it is the CPU build on this machine's disk;
 # pyproject only declares a range (users bring their own torch).
 # The demo installs only what it runs (no test, flax or lightning packages), which keeps `make demo`
-# from a fresh clone within its 5 minutes; `make test` adds the rest to the same .venv.
+# from a fresh clone within its 8 minutes; `make test` adds the rest to the same .venv.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 BASE   := $(VENV)/.installed-base

@@ -18,7 +18,7 @@ import time
 
 
 def mlp(hidden: int):
-    """64 -> hidden -> hidden -> 10: with hidden 2048, 4.3 M parameters, 17 MB of gradient a step."""
+    """64 -> hidden -> hidden -> 10: with the default hidden 1024, 1.1 M parameters, 4.5 MB of gradient a step."""
     import torch
 
     return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
