@@ -20,6 +20,11 @@ form, on copies (JAX, at ``wrap``: nothing of training changes);
 reduce alone misses what a form costs the rest of the step: on CPU nodes,
 LowPrecisionDecentralized over nodes reduced faster alone and made whole steps
 slower (the in-node stages compete with compute for the cores).
+
+A :class:`StepTrial` given the decisions recorded for this topology by
+earlier jobs (:mod:`.form_cache`) first checks them instead: it runs a block
+in the latest one's form and keeps the decision whose step time in that form
+is within :data:`FITS` of the block's, else times both forms as usual.
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ import statistics
 import time
 from typing import Callable, Optional, Sequence
 
-__all__ = ["FormChoice", "choose_form", "ROUNDS", "StepTrial"]
+__all__ = ["FormChoice", "choose_form", "ROUNDS", "FITS", "StepTrial"]
 
 log = logging.getLogger(__name__)
 
 ROUNDS = 3  # timed rounds per form, after one warm-up round of each (compiles kernels, opens connections)
+FITS = 0.25  # a recorded decision holds while a step in its form takes within 25 % of the recorded time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +50,9 @@ class FormChoice:
     two_level: bool
     flat_seconds: float
     two_level_seconds: float
+
+    def seconds(self, two_level: bool) -> float:
+        return self.two_level_seconds if two_level else self.flat_seconds
 
 
 def choose_form(run: Callable[[bool], None], slowest: Callable[[Sequence[float]], Sequence[float]],
@@ -90,25 +99,43 @@ class StepTrial:
     made the trial choose flat where over nodes was 20 % faster.  A frontend
     calls, at each training step's start: :meth:`end` (the step before it is
     over), then :meth:`form` (the form to run, switching if it changed; None
-    once the plan is done: then :meth:`choose`), then :meth:`begin` once
-    switched, so a switch's own cost is not timed either.
+    when a decision is due: then :meth:`choose`, and :meth:`form` again if it
+    returned None), then :meth:`begin` once switched, so a switch's own cost is
+    not timed either.
+
+    With ``known`` decisions (the same on every rank: recorded for this
+    topology by earlier jobs, latest first), the plan is one block in the
+    latest one's form; :meth:`choose` then keeps the decision whose time in
+    that form is closest to the block's median, if within :data:`FITS` of it
+    (the link and the load are as they were then), and otherwise the usual
+    plan follows.  A kept decision costs no step in the other form.
     """
 
     BLOCK = 2  # timed steps in a row in one form, after the block's untimed first step
     ROUNDS = 2  # so 12 steps in all, 4 timed in each form
 
-    def __init__(self):
+    def __init__(self, known: Sequence[FormChoice] = ()):
+        self.known = list(known)
         self._plan: list[tuple[bool, bool]] = []  # (over nodes, timed) of each step
-        for _ in range(self.ROUNDS):
-            for two_level in (False, True):
-                self._plan += [(two_level, False)] + [(two_level, True)] * self.BLOCK
+        if self.known:
+            self._add_block(self.known[0].two_level)
+        else:
+            self._add_rounds()
         self._next = 0  # index in the plan of the step to start next
         self._started: Optional[float] = None
         self.times: dict[bool, list[float]] = {False: [], True: []}
 
+    def _add_block(self, two_level: bool) -> None:
+        self._plan += [(two_level, False)] + [(two_level, True)] * self.BLOCK
+
+    def _add_rounds(self) -> None:
+        for _ in range(self.ROUNDS):
+            for two_level in (False, True):
+                self._add_block(two_level)
+
     @property
     def steps(self) -> int:
-        """Training steps the trial takes."""
+        """Training steps the trial takes (checking known decisions: if one fits)."""
         return len(self._plan)
 
     def end(self, now: float) -> None:
@@ -122,7 +149,7 @@ class StepTrial:
             self._started = None
 
     def form(self) -> Optional[bool]:
-        """The form of the step about to start (True: over nodes), or None when the plan is done."""
+        """The form of the step about to start (True: over nodes), or None when a decision is due."""
         return self._plan[self._next][0] if self._next < len(self._plan) else None
 
     def begin(self, now: float) -> None:
@@ -130,6 +157,24 @@ class StepTrial:
         self._next += 1
         self._started = now
 
-    def choose(self, slowest: Callable[[Sequence[float]], Sequence[float]], what: str) -> FormChoice:
-        """The faster form by the slowest rank's median step (collective, as :func:`choose_form`); logged."""
-        return _decide(self.times, slowest, what, "a training step", f"{len(self.times[False])} steps each")
+    def choose(self, slowest: Callable[[Sequence[float]], Sequence[float]], what: str) -> Optional[FormChoice]:
+        """The faster form by the slowest rank's median step (collective, as :func:`choose_form`), logged; while
+        checking known decisions, the one that fits, or None (then the plan goes on: both forms are timed)."""
+        if not self.known:
+            return _decide(self.times, slowest, what, "a training step", f"{len(self.times[False])} steps each")
+        form = self.known[0].two_level
+        name = "over nodes" if form else "flat"
+        (seconds,) = slowest([statistics.median(self.times[form])])
+        recorded = min(self.known, key=lambda c: abs(c.seconds(form) - seconds))
+        if abs(recorded.seconds(form) - seconds) <= FITS * recorded.seconds(form):
+            log.info("bagua_x: %s runs %s, as recorded for this topology: a training step took %.2f ms %s, "
+                     "recorded %.2f ms (decided then on %.2f ms flat and %.2f ms over nodes)", what,
+                     "over nodes" if recorded.two_level else "flat", seconds * 1e3, name,
+                     recorded.seconds(form) * 1e3, recorded.flat_seconds * 1e3, recorded.two_level_seconds * 1e3)
+            return recorded
+        log.info("bagua_x: %s: a training step took %.2f ms %s, no recorded decision for this topology within "
+                 "%d %% of it (%s); timing both forms", what, seconds * 1e3, name, round(FITS * 100),
+                 ", ".join(f"{c.seconds(form) * 1e3:.2f} ms" for c in self.known))
+        self.known, self.times = [], {False: [], True: []}
+        self._add_rounds()
+        return None

@@ -53,14 +53,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .. import __version__
 from ..algorithms import Algorithm
 from ..algorithms.base import initial_state
+from ..core import form_cache
 from ..core.autotune import StepTrial, choose_form
 from ..core.bucket import BucketLayout
 from ..core.comm import Feature, ReduceOp
 from .communicator import AxisCommunicator
 
-__all__ = ["DecidedState", "MeasuredState", "StepForms", "measured_form", "run_in_form", "storable", "with_form",
+__all__ = ["DecidedState", "MeasuredState", "StepForms", "form_topology", "measured_form", "run_in_form", "storable", "with_form",
            "OVER_NODES", "UNDECIDED", "RESTART"]
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,14 @@ def measured_form(algorithm: Algorithm, layouts: Sequence[BucketLayout], axis_na
         return None
     run = _timing(algorithm, layouts, axis_name, local)
     return choose_form(run, slowest_over_devices(axis_name), type(algorithm).__name__).two_level
+
+
+def form_topology(algorithm: Algorithm, layouts: Sequence[BucketLayout], world_size: int, local: int) -> str:
+    """What makes the forms' programs differ, for the form cache (links and load are checked by timing)."""
+    return form_cache.topology(frontend="jax", algorithm=repr(algorithm), world=world_size, local=local,
+                               buckets=[layout.padded_numel for layout in layouts],
+                               dtypes=sorted({layout.dtype for layout in layouts}), device=jax.default_backend(),
+                               versions=[jax.__version__, __version__])
 
 
 def with_form(states: tuple, forms: Optional["StepForms"]) -> tuple:
@@ -222,17 +232,20 @@ class StepForms:
     the state).  No trial where the arguments hold a decided state (restored:
     keep its form, static), or where the traced step has no node groups
     (``shard_map``: it runs flat).  Another wrap's states pass through
-    unchanged: that wrap's own ``dp.step`` drives them.
+    unchanged: that wrap's own ``dp.step`` drives them.  With
+    ``BAGUA_X_FORM_CACHE`` set on process 0, the decisions recorded for
+    ``topology`` by earlier jobs are checked first
+    (:mod:`~bagua_x.core.form_cache`), and a new decision is recorded.
     """
 
-    def __init__(self, algorithm: Algorithm, axis_name, two_level: bool):
-        self.algorithm, self.axis_name = algorithm, axis_name
+    def __init__(self, algorithm: Algorithm, axis_name, two_level: bool, topology: str):
+        self.algorithm, self.axis_name, self.topology = algorithm, axis_name, topology
         self.two_level = two_level  # the form timed at wrap, which init puts in the states
         self.owner = next(_owners)  # the MeasuredState.owner of this wrap's states
         self.done = False
         #: set while the step is traced: whether it holds both forms (node groups); None: not traced yet
         self.forms_in_step: Optional[bool] = None
-        self._trial = StepTrial()
+        self._trial: Optional[StepTrial] = None  # made at the first trial step (reading the form cache)
         self._form: Optional[int] = None  # the trial's decision
         self._started: Optional[float] = None  # the start of the trial step under way
         self._told: set[str] = set()  # the notes logged once
@@ -261,10 +274,21 @@ class StepForms:
             log.info("bagua_x: %s runs flat: the step has no node groups (shard_map), so the forms are not timed",
                      name)
             return self._stop(tree)
+        if self._trial is None:
+            self._slowest, first = slowest_over_devices(self.axis_name), jax.process_index() == 0
+            self._trial = StepTrial(form_cache.share(form_cache.load(self.topology) if first else [], first,
+                                                     self._slowest))
         planned = self._trial.form()
+        if planned is None and self._form is None:
+            checking = bool(self._trial.known)
+            choice = self._trial.choose(self._slowest, name)
+            if choice is None:  # the recorded decisions did not fit: both forms are timed
+                planned = self._trial.form()
+            else:
+                self._form = int(choice.two_level)
+                if not checking and jax.process_index() == 0:
+                    form_cache.record(self.topology, choice)
         if planned is None:  # decided: the form alone, after one more switchable step where it restarts
-            if self._form is None:
-                self._form = int(self._trial.choose(slowest_over_devices(self.axis_name), name).two_level)
             if self._restarts(self._form, code):
                 return self._write(tree, self._form | RESTART)
             return self._stop(self._write(tree, self._form, static=True))
@@ -275,7 +299,7 @@ class StepForms:
 
     def after(self) -> None:
         """The call started by the last :meth:`before` has returned, its results ready: a trial step is over."""
-        if self._started is not None:
+        if self._started is not None and self._trial is not None:
             self._trial.begin(self._started)
             self._trial.end(time.perf_counter())
             self._started = None

@@ -41,7 +41,7 @@ from .checks import (FiniteCheck, check_leaf_dtype, check_registrable, check_sta
 from .communicator import AxisCommunicator, default_local_size
 from .distributed import check_same_across_processes, heartbeat_timeout
 from .mesh_step import Layout, axis_bound, per_device, shard_over, step_mesh
-from .node_form import StepForms, measured_form, run_in_form, storable, with_form
+from .node_form import StepForms, form_topology, measured_form, run_in_form, storable, with_form
 from .placement import check_mesh_axis, mesh_axis_size
 from .placement import replicate as _replicate
 from .placement import unreplicate as _unreplicate
@@ -150,11 +150,12 @@ class DataParallel:
             )
         # hierarchical=None on nodes: flat or over nodes, timed here (every process wraps); None: not measured
         # (a 2-D mesh's axes say where the nodes are: its two levels are not timed against flat)
+        local = devices_per_node or min(default_local_size(), self.world_size)
         two_level = None if isinstance(axis_name, tuple) else measured_form(
-            self.algorithm, self.layouts, axis_name, self.world_size,
-            devices_per_node or min(default_local_size(), self.world_size))
+            self.algorithm, self.layouts, axis_name, self.world_size, local)
         # then, through dp.step, a trial of whole training steps decides
-        self._forms = StepForms(self.algorithm, axis_name, two_level) if two_level is not None else None
+        self._forms = None if two_level is None else StepForms(
+            self.algorithm, axis_name, two_level, form_topology(self.algorithm, self.layouts, self.world_size, local))
         logger.info(
             "bagua_x.jax.wrap: %d leaves in %d buckets, %s, world size %d%s",
             len(flat), len(self.bucket_leaves), self.algorithm.hyperparameters(), self.world_size,

@@ -220,6 +220,11 @@ class TorchCommunicator:
             twin.enable_hierarchical(True, self._node_comms[0].size)
         return twin
 
+    @property
+    def node_size(self) -> Optional[int]:
+        """Ranks per node where :meth:`enable_hierarchical` made node groups, else None."""
+        return None if self._node_comms is None else self._node_comms[0].size
+
     def use_nodes(self, two_level: bool) -> None:
         """Offer ``Feature.HIERARCHICAL`` (``two_level``) or withhold it, keeping the node groups: the form
         chosen by measurement or restored from a checkpoint (see :mod:`.node_form`)."""

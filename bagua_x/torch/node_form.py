@@ -17,7 +17,10 @@ ranks' average weights, as at ``wrap``.
 The choice is saved in ``algorithm_state_dict()``, and a state that holds one
 sets it instead of timing again: a resumed run continues in its form, bitwise.
 A checkpoint taken during the trial holds no choice: the resumed run times
-again (restarting such state at the trial's first step).
+again (restarting such state at the trial's first step).  With
+``BAGUA_X_FORM_CACHE`` set on rank 0, a decision recorded by an earlier job of
+the same topology is checked in its first steps and kept if it still fits
+(:mod:`~bagua_x.core.form_cache`); a new decision is recorded there.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import __version__
 from ..algorithms.base import Algorithm
+from ..core import form_cache
 from ..core.autotune import StepTrial
 from ..core.comm import Feature, ReduceOp
 from .communicator import TorchCommunicator
@@ -48,6 +53,7 @@ class NodeForm:
         self.measured = algorithm.timed_form and Feature.HIERARCHICAL in comm.features
         self.two_level: Optional[bool] = None  # chosen (or loaded) form; None: not yet
         self._trial: Optional[StepTrial] = None  # the steps being timed
+        self._key = ""  # this wrapper's topology in the form cache, known at the trial's first step
         self._running: Optional[bool] = None  # the form the trial's current step runs in
         self._synced = 0  # the engine's synced_steps when the trial last advanced
         self._state_fits = True  # the state fits either form (made at wrap), or the one running
@@ -66,22 +72,39 @@ class NodeForm:
         running an extra forward with grad on (logging predictions) would otherwise move its plan ahead alone,
         and the ranks, running different forms, would wait on each other until the timeout."""
         if self._trial is None:
-            self._trial = StepTrial()
             self._device = engine.buckets[0].buffer.device if engine.buckets else torch.device("cpu")
+            self._key = self._topology(engine)
+            first = self.comm.rank == 0
+            self._trial = StepTrial(form_cache.share(form_cache.load(self._key) if first else [], first,
+                                                     self._slowest))
         elif engine.synced_steps == self._synced:
             return
         self._synced = engine.synced_steps
         self._trial.end(time.perf_counter())
         form = self._trial.form()
         if form is None:
+            checking = bool(self._trial.known)
             choice = self._trial.choose(self._slowest, type(self.algorithm).__name__)
-            self._trial = None
-            self._switch(choice.two_level, engine)
-            self.two_level = choice.two_level
-            return
+            if choice is not None:
+                if not checking and self.comm.rank == 0:
+                    form_cache.record(self._key, choice)
+                self._trial = None
+                self._switch(choice.two_level, engine)
+                self.two_level = choice.two_level
+                return
+            form = self._trial.form()  # the recorded decisions did not fit: both forms are timed
         if form is not self._running or not self._state_fits:
             self._switch(form, engine)
         self._trial.begin(time.perf_counter())
+
+    def _topology(self, engine) -> str:
+        """What makes the forms' programs differ, for the form cache (links and load are checked by timing)."""
+        return form_cache.topology(
+            frontend="torch", algorithm=repr(self.algorithm), world=self.comm.size,
+            local=self.comm.node_size,
+            buckets=[int(b.buffer.numel()) for b in engine.buckets], dtypes=sorted({str(b.buffer.dtype)
+                                                                                    for b in engine.buckets}),
+            device=self._device.type, versions=[torch.__version__, __version__])
 
     def _slowest(self, values: Sequence[float]) -> list[float]:
         values = torch.tensor(values, dtype=torch.float64, device=self._device)

@@ -150,9 +150,10 @@ def disagree(settings):
 
 # -- hierarchical=None: the form chosen by measurement -------------------------------------------------------------
 
-def _slowed(algorithm, delays: dict):
+def _slowed(algorithm, delays: dict, forms=None):
     """``algorithm`` whose ``reduce`` sleeps ``delays[(rank, over nodes)]`` seconds after its collectives, while
-    ``delays`` is not empty: one form made slow on some ranks only, so ranks time the forms differently."""
+    ``delays`` is not empty: one form made slow on some ranks only, so ranks time the forms differently.
+    ``forms``: a list that gets the form of every reduce (True: over nodes)."""
     import dataclasses
     import time
 
@@ -164,6 +165,8 @@ def _slowed(algorithm, delays: dict):
         def reduce(self, flat, layout, state, comm):
             out = super().reduce(flat, layout, state, comm)
             time.sleep(delays.get((dist.get_rank(), Feature.HIERARCHICAL in comm.features), 0.0))
+            if forms is not None:
+                forms.append(Feature.HIERARCHICAL in comm.features)
             return out
 
     return Slowed(**{f.name: getattr(algorithm, f.name) for f in dataclasses.fields(algorithm)})
@@ -253,6 +256,32 @@ def measured(name: str, delays: dict, steps: int = 14):
     out = {"two_level": two_level, "messages": messages, "params": params, "seen": seen}
     for setting in (True, False):
         out[setting] = _train_measured(dataclasses.replace(base, hierarchical=setting), rank, range(steps), {}, rank)
+    dist.destroy_process_group()
+    return out
+
+
+def cached(name: str, delays: dict, path: str, steps: int = 17):
+    """Three jobs of ``name`` at hierarchical=None, the form cache set on rank 0 only: the first times the forms
+    (slowed by ``delays``) and records its decision; the second, slowed alike, checks it in its first steps and
+    keeps it; the third, every step 0.5 s slower in both forms (another link), times both forms again.  Each
+    job's (over nodes?, log, the form of every reduce)."""
+    import os
+
+    import torch.distributed as dist
+
+    from bagua_x import algorithms
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 0:
+        os.environ["BAGUA_X_FORM_CACHE"] = path
+    base = getattr(algorithms, name)()
+    out = {}
+    for job, extra in (("first", 0.0), ("second", 0.0), ("third", 0.5)):
+        slowed = {(r, form): delays.get((r, form), 0.0) + extra for r in range(4) for form in (False, True)}
+        forms = []
+        two_level, messages, _ = _train_measured(_slowed(base, slowed, forms), rank, range(steps), slowed, rank)
+        out[job] = (two_level, messages, forms)
     dist.destroy_process_group()
     return out
 

@@ -1,5 +1,6 @@
 """Hierarchical variants over real gloo node groups: 4 ranks as 2 nodes of 2, against the numpy references."""
 
+import json
 import os
 import re
 import sys
@@ -200,3 +201,34 @@ def test_a_checkpoint_from_the_trial_is_timed_again(tmp_path):
         assert not resumed_form and all(np.isfinite(p).all() for p in resumed)
         forms.add(found[0].groups())
     assert len(forms) == 1, forms
+
+
+def test_the_form_cache_keeps_a_decision_that_fits_and_times_again_where_the_steps_changed(tmp_path):
+    """BAGUA_X_FORM_CACHE set on rank 0 only (the others follow its decisions): a first job times the forms and
+    records over nodes; a second, alike, keeps it after one block over nodes (no step flat); a third, whose steps
+    take 0.5 s more, finds no decision within 25 % and times both forms again, recorded beside the first."""
+    from bagua_x.core.autotune import StepTrial
+
+    cache = tmp_path / "forms.json"
+    res = run_workers("bx_hierarchical_workers:cached", nproc=4, args=("ByteGrad", SKEWS["over nodes"], str(cache)),
+                      timeout=300, env=ENV)
+    block, trial = StepTrial.BLOCK + 1, StepTrial().steps
+    for r in res:
+        (first, first_log, first_forms), (second, second_log, second_forms) = r["first"], r["second"]
+        assert first and second  # over nodes, by measurement, then as recorded
+        assert len([m for m in map(MEASURED.fullmatch, first_log) if m]) == 1, first_log
+        assert first_forms[:trial] == ([False] * block + [True] * block) * 2, first_forms  # the whole trial
+        kept = [m for m in second_log if "as recorded for this topology" in m]
+        assert len(kept) == 1 and kept[0].startswith("bagua_x: Slowed runs over nodes"), second_log
+        assert not any("by measurement" in m for m in second_log), second_log
+        assert len(second_forms) == 17 and all(second_forms), second_forms  # never a step flat
+        third_log, third_forms = r["third"][1], r["third"][2]
+        assert any("no recorded decision for this topology within 25 %" in m for m in third_log), third_log
+        assert len([m for m in map(MEASURED.fullmatch, third_log) if m]) == 1, third_log
+        assert third_forms[:block + trial] == [True] * block + ([False] * block + [True] * block) * 2, third_forms
+    table = json.loads(cache.read_text())
+    assert len(table) == 1  # one topology: the same algorithm, ranks, nodes and buckets in all three jobs
+    (decisions,) = table.values()
+    assert len(decisions) == 2 and decisions[1][0] is True  # the third job's decision, then the first's
+    # flat, timed before the delays stop (_train_measured clears them after 12 steps): about 0.5 s slower a step
+    assert decisions[0][1] > decisions[1][1] + 0.4, decisions
