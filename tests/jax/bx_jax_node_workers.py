@@ -342,6 +342,46 @@ def trial_worker(name: str, at_wrap: dict, in_steps: dict, total: int, saves: tu
     return out
 
 
+def cached_worker(name: str, in_steps: dict, total: int, path: str) -> dict:
+    """Three jobs of ``name`` at hierarchical=None through ``dp.step``, the form cache set on process 0 only: the
+    first times the forms (slowed by ``in_steps``) and records its decision, the second (alike) checks it, the
+    third (every step 0.5 s slower in both forms) times both forms again.  Per job: each step's codes, the log."""
+    import os
+
+    import jax
+
+    import bagua_x.jax as bxj
+    from bagua_x import algorithms
+    from bx_jax_workers import make_data, make_params, training_step
+
+    bxj.init_distributed()
+    try:
+        rank = jax.process_index()
+        if rank == 0:
+            os.environ["BAGUA_X_FORM_CACHE"] = path
+        params = make_params(0)
+        x, y = make_data(total, 4)
+        x, y = x[:, rank:rank + 1], y[:, rank:rank + 1]
+        out = {}
+        for job, extra in (("first", 0.0), ("second", 0.0), ("third", 0.5)):
+            with _Records() as messages:
+                delays = {}
+                dp = bxj.wrap(params, algorithm=_slowed(getattr(algorithms, name)(), delays))
+                delays.update({(p, form): in_steps.get((p, form), 0.0) + extra for p in range(4)
+                               for form in (False, True)})  # the step is traced at its first call, with these
+                tx, step = training_step(dp, LR)
+                f = dp.step(jax.pmap(step, axis_name="batch"))
+                carry = (dp.replicate(params), dp.replicate(tx.init(params)), dp.init())
+                codes = []
+                for s in range(total):
+                    carry = f(*carry, x[s], y[s])
+                    codes.append(_codes(carry[2]))
+            out[job] = {"codes": codes, "messages": messages}
+    finally:
+        jax.distributed.shutdown()
+    return out
+
+
 # -- the trial through dp.step with other calls in between ---------------------------------------------------------
 
 def interrupted_worker(in_steps: dict, trial: int, total: int, evals: tuple, raises: tuple) -> dict:

@@ -195,3 +195,35 @@ def test_calls_between_the_trial_steps_keep_its_plan_and_restarts():
             assert spread[s] == 0, (s, spread)
         else:
             assert spread[s] > 1e-4, (s, spread)
+
+
+def test_the_form_cache_keeps_a_decision_that_fits_and_times_again_where_the_steps_changed(tmp_path):
+    """BAGUA_X_FORM_CACHE set on process 0 only: a first job's trial through dp.step records over nodes; a second,
+    alike, runs one block over nodes, keeps the decision and runs it alone (DecidedState); a third, whose steps
+    take 0.5 s more, finds no decision within 25 % and runs the whole trial after that block."""
+    import json
+
+    from bagua_x.core.autotune import StepTrial
+
+    total, block = 17, StepTrial.BLOCK + 1
+    cache = tmp_path / "forms.json"
+    res = run_workers("bx_jax_node_workers:cached_worker", nproc=4, timeout=600, env=ENV,
+                      args=("ByteGrad", SKEWS["over nodes"], total, str(cache)))
+    trial = [[("MeasuredState", UNDECIDED | f)] for f in PLAN]
+    check = [[("MeasuredState", UNDECIDED | 1)]] * block
+    decided = [[("DecidedState", 1)]] * total
+    for r in res:
+        first, second, third = r["first"], r["second"], r["third"]
+        assert first["codes"] == (trial + decided)[:total]
+        found = [m for m in map(TRIAL.fullmatch, first["messages"]) if m]
+        assert len(found) == 1 and found[0].group(1) == "over nodes", first["messages"]
+        assert second["codes"] == (check + decided)[:total]  # no step flat
+        kept = [m for m in second["messages"] if "as recorded for this topology" in m]
+        assert len(kept) == 1 and kept[0].startswith("bagua_x: Slowed runs over nodes"), second["messages"]
+        assert not any(TRIAL.fullmatch(m) for m in second["messages"]), second["messages"]
+        assert third["codes"][:block + len(PLAN)] == check + trial, third["codes"]
+        assert any("no recorded decision for this topology within 25 %" in m for m in third["messages"])
+        assert len([m for m in map(TRIAL.fullmatch, third["messages"]) if m]) == 1, third["messages"]
+    (decisions,) = json.loads(cache.read_text()).values()  # one topology
+    assert len(decisions) == 2 and decisions[1][0] is True, decisions  # the third job's, then the first's
+    assert decisions[0][1] > decisions[1][1] + 0.4, decisions  # flat about 0.5 s slower a step
