@@ -18,7 +18,7 @@ $(BASE): pyproject.toml Makefile
 	touch $(BASE)
 
 $(STAMP): $(BASE)
-	$(PY) -m pip install -q -e '.[torch,jax,test,demo,flax,lightning,docs]'
+	$(PY) -m pip install -q -e '.[torch,jax,test,demo,flax,lightning,docs,ft]'
 	touch $(STAMP)
 
 # The docs site first (seconds): --strict fails on a broken link, a missing page or an API reference

@@ -163,6 +163,14 @@ class Algorithm:
         the two forms give the same result, only their speed differs).  False where the setting decides."""
         return Feature.HIERARCHICAL in self.uses and Feature.HIERARCHICAL not in self.requires
 
+    def communicates(self, state: NamedTuple) -> bool:
+        """Whether ``reduce`` on ``state`` makes any collective, decided on the host from the state's counters.
+
+        A frontend that must prepare the peers before an exchange (fault-tolerant replica groups agree on who
+        takes part first) does so only for the steps that exchange.  True unless an algorithm says otherwise.
+        """
+        return True
+
     def alignment(self, world_size: int) -> int:
         """Bucket buffers are padded to a multiple of this many elements."""
         return 1
@@ -286,6 +294,8 @@ def hierarchical(setting: Optional[bool], comm) -> bool:
     """
     if setting is False or Feature.HIERARCHICAL not in comm.features:
         return False
+    if Feature.REPLICA_GROUPS in comm.features:  # a node is the unit that survives: never a form that is not over nodes
+        return True
     return two_level_on(setting, comm.across.size, comm.within.size)
 
 

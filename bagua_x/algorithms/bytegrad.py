@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import array_api_compat
 from array_api_compat import is_writeable_array
 
 from ..core.comm import ReduceOp
@@ -50,11 +51,24 @@ def compressed_average(flat, comm, average: bool, two_level: bool):
     if not two_level:
         return compressed_allreduce(flat, comm, average, out=out)
     xp = namespace(flat)
-    within = comm.within
+    within, across = comm.within, comm.across
     shard = within.reduce_scatter(xp.reshape(flat, (within.size, -1)), ReduceOp.AVG if average else ReduceOp.SUM)
     eight = codec(8)
-    packed = within.allgather(_exchange(shard, comm.across, average, eight))  # (L, nodes, chunk + 8)
-    return _decompressed(xp.reshape(packed, (-1, packed.shape[-1])), flat, out, eight)
+    # buckets are aligned to the world size, so a shard splits into one chunk per node, unless the number of
+    # nodes changes after the layout (fault-tolerant replica groups): then the shard is padded for this exchange
+    width = shard.shape[0]
+    pad = -width % across.size
+    if pad:
+        shard = xp.concat([shard, xp.zeros((pad,), dtype=shard.dtype, device=array_api_compat.device(shard))])
+    packed = within.allgather(_exchange(shard, across, average, eight))  # (L, nodes, chunk + 8)
+    packed = xp.reshape(packed, (-1, packed.shape[-1]))
+    if not pad:
+        return _decompressed(packed, flat, out, eight)
+    result = xp.reshape(xp.reshape(_decompressed(packed, flat, None, eight), (within.size, -1))[:, :width], (-1,))
+    if out is None:
+        return result
+    out[...] = result
+    return out
 
 
 def _exchange(flat, comm, average: bool, forms: Codec):

@@ -159,6 +159,10 @@ class DiLoCo(Algorithm):
             per_sync = 2 * (world_size - 1) * (n * self.bits / 8 / world_size + 8 * self.fragments)
         return per_sync / self.sync_every
 
+    def communicates(self, state) -> bool:
+        """Only at the steps a fragment is sent (``fragment_sync_delay`` 0: sent and landed)."""
+        return int(self._due(namespace(state.step), state.step + 1, 0)) != self.fragments
+
     @property
     def exchange_lag(self) -> int:
         """tau: a fragment's exchange, launched at one step, is read at its landing tau steps later."""

@@ -44,6 +44,10 @@ class ReduceOp(enum.Enum):
 
 class Feature(enum.Enum):
     HIERARCHICAL = "hierarchical"  # comm.within / comm.across: sub-communicators inside a node / between nodes
+    #: with HIERARCHICAL: the nodes are fault-tolerant replica groups, whose number changes between steps (a node
+    #: dies, another heals and rejoins); a node is always one worker, so node-aware algorithms run over nodes
+    #: whatever their count, and ``comm.across`` is sized anew at each step
+    REPLICA_GROUPS = "replica_groups"
 
 
 @runtime_checkable

@@ -60,13 +60,14 @@ from . import kernels
 from .communicator import TorchCommunicator
 from .integrations.bagua_compat import enable_bagua_api
 from .integrations.comm_hook import CommHookState, comm_hook
+from .fault_tolerance import FaultTolerance
 from .optim import QAdamOptimizer
 from .wrap import DistributedModel, wrap
 
 kernels.install()
 
 __all__ = ["wrap", "DistributedModel", "TorchCommunicator", "QAdamOptimizer", "enable_bagua_api",
-           "CommHookState", "comm_hook", "BaguaXStrategy"]
+           "CommHookState", "comm_hook", "BaguaXStrategy", "FaultTolerance"]
 
 
 def __getattr__(name: str):

@@ -32,6 +32,7 @@ from .engine.gradient import GradientEngine
 from .engine.interface import Engine, EngineOptions
 from .engine.momentum import MomentumEngine
 from .engine.node_worker import weight_engine
+from .fault_tolerance import FaultTolerance, ReplicaGroups, Replicas, check_supported, healing_state
 from .integrations.ddp_args import check_ddp_arguments
 from .node_form import NodeForm
 from .nodes import declared_setting
@@ -47,6 +48,8 @@ __all__ = ["wrap", "DistributedModel"]
 
 log = logging.getLogger(__name__)
 
+TORCHFT_KEY = "torchft"  # in algorithm_state_dict() with fault_tolerance: the committed step count
+
 
 class DistributedModel(torch.nn.Module):
     """The wrapped model: call it like the model; ``.module`` is the model itself.
@@ -59,18 +62,29 @@ class DistributedModel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], algorithm: Algorithm,
                  process_group: Optional[dist.ProcessGroup], bucket_cap_mb: float, find_unused_parameters: bool,
                  broadcast_buffers: bool, timeout: Union[None, float, datetime.timedelta], check_finite: bool,
-                 static_graph: bool, local_world_size: Optional[int] = None):
+                 static_graph: bool, local_world_size: Optional[int] = None,
+                 fault_tolerance: Optional[FaultTolerance] = None):
         super().__init__()
         self.module = module
+        if fault_tolerance is not None:
+            algorithm = check_supported(algorithm)
         self.algorithm = algorithm
         self.timeout = resolve_timeout(timeout, process_group)
         # a group of the same ranks for this wrapper alone: every collective below, and the communication
         # thread's, never pairs with the user's or another wrapper's on the same group
-        self.comm = TorchCommunicator(private_group(process_group, self.timeout), timeout=self.timeout)
-        group = self.comm.group
+        group = private_group(process_group, self.timeout)
+        #: fault_tolerance's torchft protocol (None without it); ``replicas.manager`` is torchft's Manager
+        self.replicas: Optional[Replicas] = None
+        if fault_tolerance is None:
+            self.comm = TorchCommunicator(group, timeout=self.timeout)
+        else:  # this process group is one node; between nodes torchft's (see .fault_tolerance)
+            self.replicas = Replicas(fault_tolerance.resolved(), dist.get_rank(group), dist.get_world_size(group))
+            node = TorchCommunicator(private_group(group, self.timeout), timeout=self.timeout)
+            self.comm = ReplicaGroups(group, self.timeout, node, self.replicas)
         check_one_gpu_per_rank(model_device(module), group, self.timeout)
-        # always, before any other collective: a rank with another setting or node layout fails here with the rest
-        self.comm.enable_hierarchical(declared_setting(algorithm), local_world_size)
+        if fault_tolerance is None:
+            # before any other collective: a rank with another setting or node layout fails here with the rest
+            self.comm.enable_hierarchical(declared_setting(algorithm), local_world_size)
         # exchanged with the model description, so a problem on any rank is raised on every rank
         problem = misuse_problem(module) or input_problem(module)
         check_same_model(module, {"algorithm": algorithm.hyperparameters(), "bucket_cap_mb": bucket_cap_mb,
@@ -87,10 +101,17 @@ class DistributedModel(torch.nn.Module):
         self._sync_buffers_next = True
         options = EngineOptions(bucket_cap_mb=bucket_cap_mb, optimizer=optimizer,
                                 find_unused_parameters=find_unused_parameters, check_finite=check_finite,
-                                static_graph=static_graph)
+                                static_graph=static_graph, replicas=self.replicas)
         self._engine: Engine = _engine_class(algorithm)(list(module.named_parameters()), algorithm, self.comm,
                                                           options=options)
         self._form = NodeForm(algorithm, self.comm)  # hierarchical=None on nodes: the first steps are timed
+        self._gated_optimizer: Optional[torch.optim.Optimizer] = None
+        if self.replicas is not None:
+            signature = {"model": [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()],
+                         "algorithm": algorithm.hyperparameters()}
+            self.replicas.keep("bagua_x", *healing_state(module, optimizer, self._engine, signature))
+            if algorithm.target is Target.GRAD:  # every step crosses nodes: its optimizer step waits for the vote
+                self._gated_optimizer = _gate(optimizer, self.replicas)
         for p in params:
             _wrapped_parameters[p] = True
 
@@ -105,6 +126,8 @@ class DistributedModel(torch.nn.Module):
         self._engine.settle()
         if self._form.pending and torch.is_grad_enabled() and self._engine.enabled:  # a training step starts
             self._form.at_step(self._engine)
+        if self._gated_optimizer is not None and torch.is_grad_enabled() and self._engine.enabled:
+            self.replicas.begin()  # this step's gradients cross nodes: quorum (and healing) before the forward
         if self._buffers_to_sync and self._sync_buffers_next:
             broadcast_tensors(self._buffers_to_sync, self.comm.group, timeout=self.timeout)
         self._engine.before_forward()
@@ -153,11 +176,19 @@ class DistributedModel(torch.nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def algorithm_state_dict(self) -> dict:
-        """Per-bucket algorithm state (step counters, decentralized neighbour estimates...), and the form
-        ``hierarchical=None`` took on nodes by measurement (:mod:`.node_form`), which a load restores."""
-        return self._form.save(self._engine.state_dict())
+        """Per-bucket algorithm state (step counters, decentralized neighbour estimates...), the form
+        ``hierarchical=None`` took on nodes by measurement (:mod:`.node_form`), which a load restores, and with
+        ``fault_tolerance`` torchft's committed step count."""
+        state = self._form.save(self._engine.state_dict())
+        if self.replicas is not None:
+            state[TORCHFT_KEY] = self.replicas.manager.state_dict()
+        return state
 
     def load_algorithm_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        committed = state.pop(TORCHFT_KEY, None)
+        if self.replicas is not None and committed is not None:
+            self.replicas.manager.load_state_dict(committed)
         self._engine.load_state_dict(self._form.load(state))
 
     # -- asynchronous averaging -------------------------------------------------------------
@@ -180,6 +211,11 @@ class DistributedModel(torch.nn.Module):
         """Remove hooks and stop background threads (the model stays usable, unsynchronised, and may be
         wrapped again)."""
         self._engine.close()
+        if self._gated_optimizer is not None:
+            del self._gated_optimizer.step  # the class's own step again
+            self._gated_optimizer = None
+        if self.replicas is not None:
+            self.replicas.shutdown()
         for p in self.module.parameters():
             _wrapped_parameters.pop(p, None)
 
@@ -219,6 +255,23 @@ def misuse_problem(module: torch.nn.Module) -> Optional[str]:
     return None
 
 
+def _gate(optimizer: Optional[torch.optim.Optimizer], replicas: Replicas) -> torch.optim.Optimizer:
+    """``optimizer.step()`` steps only when the replica groups commit the step (the instance's own ``step``, as
+    torch's LR schedulers wrap it; ``shutdown()`` removes it)."""
+    if optimizer is None:
+        raise BaguaXError("fault_tolerance needs the optimizer: wrap(model, optimizer, ..., fault_tolerance=...): "
+                          "a step some node could not complete must not be applied")
+    step = optimizer.step
+
+    def committed_step(*args, **kwargs):
+        if replicas.commit():
+            return step(*args, **kwargs)
+        return None
+
+    optimizer.step = committed_step
+    return optimizer
+
+
 def _engine_class(algorithm: Algorithm):
     """The engine for what the algorithm declares it communicates (``target``) and when (``phase``); a weight
     algorithm's engine also depends on the communicator (:func:`~.engine.node_worker.weight_engine`)."""
@@ -233,7 +286,8 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
          broadcast_buffers: bool = True, timeout: Union[None, float, datetime.timedelta] = None,
          check_finite: bool = False, device_ids: Optional[Sequence[Union[int, str, torch.device]]] = None,
          output_device: Union[None, int, str, torch.device] = None, gradient_as_bucket_view: bool = True,
-         static_graph: bool = False, local_world_size: Optional[int] = None) -> DistributedModel:
+         static_graph: bool = False, local_world_size: Optional[int] = None,
+         fault_tolerance: Optional[FaultTolerance] = None) -> DistributedModel:
     """Make ``model`` data parallel with ``algorithm``: ``DDP(model, ...)`` -> ``wrap(model, ...)`` is a rename.
 
     Collective: every rank must call it with the same model and algorithm.  It
@@ -295,6 +349,11 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
             12 training steps, which alternate the forms;
             ``algorithm_state_dict()`` keeps the choice and a load restores it
             (:mod:`.node_form`).
+        fault_tolerance: a :class:`~bagua_x.torch.FaultTolerance`: this process group is one node of a
+            torchft job (a replica group): nodes may die and come back while the others train on, a node
+            that comes back heals from a live one, and a step some node could not complete is discarded
+            (:mod:`.fault_tolerance`).  GradientAllReduce, ByteGrad and DiLoCo (over nodes).  Needs
+            ``bagua-x[ft]``.
 
     Returns:
         The wrapped model: call it like the model; ``.module`` is the model.
@@ -308,4 +367,4 @@ def wrap(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         algorithm = optimizer.algorithm if isinstance(optimizer, QAdamOptimizer) else GradientAllReduce()
     return DistributedModel(model, optimizer, algorithm, process_group, bucket_cap_mb,
                             find_unused_parameters, broadcast_buffers, timeout, check_finite, static_graph,
-                            local_world_size)
+                            local_world_size, fault_tolerance)

@@ -77,6 +77,8 @@ class GradientEngine(BackwardEngine):
         super().__init__(tensors, algorithm, comm, options, "bagua_x-grad-comm")
         self._cap = options.bucket_cap_mb
         self._recorder = OrderRecorder()
+        if options.replicas is not None:  # every node, restarted ones too, must lay its buckets out the same
+            self._recorder.stop()
         self._order: Optional[list[str]] = None  # the rebuilt buckets' order (None: registration order)
         self._without_grad: Optional[torch.Tensor] = None
         self._views: list[torch.Tensor] = []  # by tensor index: its place in its bucket, as a tensor of its shape

@@ -30,7 +30,7 @@ WeightEngine its ``BucketedEngine``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -48,6 +48,10 @@ class EngineOptions:
     find_unused_parameters: bool = False
     check_finite: bool = False
     static_graph: bool = False  # backward engines: hook firings per backward learnt once (see .ready_counts)
+    #: fault-tolerant replica groups (:class:`~..fault_tolerance.Replicas`): a weight algorithm's exchange between
+    #: nodes is begun (quorum, healing) and committed or rolled back with them; gradient buckets keep the
+    #: registration order, the one a restarted node also has (a ready order is each node's own)
+    replicas: Optional[Any] = None
 
 
 class Engine(Protocol):

@@ -77,6 +77,7 @@ class WeightEngine(BucketedEngine):
         self._hooks: Optional[BackwardHooks] = None
         self._step_hook = None
         self._exchange_comm: Optional[TorchCommunicator] = None
+        self._replicas = options.replicas
         if algorithm.phase is Phase.BEFORE_FORWARD:
             self._hooks = BackwardHooks(tensors, self._hook, self._finish, lambda: self._in_flight is not None)
         elif algorithm.phase is Phase.AFTER_STEP:
@@ -141,9 +142,20 @@ class WeightEngine(BucketedEngine):
         if self._exchange_comm is not None:
             self._apply_then_exchange()
             return
+        replicas = self._replicas
+        crossing = replicas is not None and any(self.algorithm.communicates(s.state) for s in self.slots)
+        if crossing:
+            replicas.begin()  # a node that is behind heals here, before it sends anything
+            with torch.no_grad():
+                kept = [(self._weights(s.bucket).clone(), s.state) for s in self.slots]
         for slot in self.slots:
             self._submit(slot, self._weights(slot.bucket))  # _weights on this thread: it may re-point replaced ones
         self._worker.wait()  # the next forward's kernels wait for the exchange
+        if crossing and not replicas.commit():  # a member failed: as if this step had not exchanged (retried next)
+            with torch.no_grad():
+                for slot, (weights, state) in zip(self.slots, kept):
+                    self._weights(slot.bucket).copy_(weights)
+                    slot.state = state
         self.synced_steps += 1
 
     def _apply_then_exchange(self) -> None:

@@ -1,0 +1,324 @@
+"""Fault-tolerant replica groups on torchft: lose a node, keep training.
+
+A node (torchft's *replica group*: the ranks one ``torchrun`` starts) is the
+unit that dies and comes back.  Inside it nothing changes: its ranks form an
+ordinary ``torch.distributed`` world and average in full precision.  Between
+nodes, every collective of the algorithm goes through a torchft
+:class:`~torchft.Manager` and its reconfigurable gloo group, whose members are
+the ranks at this rank's place in every live node (bagua_x's ``comm.across``).
+
+One step that crosses nodes is one torchft step:
+
+1. ``begin()``: a synchronous quorum at the lighthouse (who is alive).  A node
+   that is behind -- restarted, or new -- *heals* here, before it sends
+   anything: it loads a live peer's model, optimizer, algorithm state and the
+   user's registered state (e.g. the data position), served over HTTP at the
+   address its peers reach (not the host name, which fails across network
+   namespaces).  So every member then sends real values and no average needs a
+   correction for a member that had none.
+2. the algorithm's exchange, over the quorum's members (the communicator's
+   ``across`` is sized at each step).  A collective that fails (a peer died
+   mid-step) is reported to the manager instead of raising: the step is
+   spoilt, not the process.
+3. ``commit()``: every member of the quorum votes; the step is applied only
+   when all agree (``should_commit``), else it is discarded -- a gradient
+   algorithm's optimizer step is skipped, DiLoCo's exchange is rolled back and
+   retried at the next step.
+
+Gradient algorithms cross nodes every step (quorum at each training forward,
+commit at ``optimizer.step()``); DiLoCo only at its outer steps
+(``Algorithm.communicates``), so its inner steps never wait for the lighthouse.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions, BroadcastOptions
+
+from ..algorithms import ByteGrad, DiLoCo, GradientAllReduce
+from ..algorithms.base import Algorithm
+from ..core.comm import Feature, ReduceOp
+from ..core.errors import BaguaXError
+from .communicator import TorchCommunicator, _op, _reduce_rows
+
+__all__ = ["FaultTolerance", "Replicas", "ReplicaCommunicator", "ReplicaGroups"]
+
+log = logging.getLogger(__name__)
+
+#: what runs over replica groups: the algorithms whose exchange between nodes is all torchft's group needs
+SUPPORTED = (GradientAllReduce, ByteGrad, DiLoCo)
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultTolerance:
+    """``wrap(..., fault_tolerance=FaultTolerance())``: this node is a torchft replica group.
+
+    Args:
+        lighthouse: the torchft lighthouse's address (``http://host:port``); default ``TORCHFT_LIGHTHOUSE``.
+        replica_id: this node's name, the same for its ranks and kept across its restarts; default
+            ``REPLICA_GROUP_ID``.
+        min_replicas: the fewest nodes that may commit a step (1: a lone survivor trains on).
+        timeout: seconds each collective between nodes, each vote and each healing transfer may take.
+        quorum_timeout: seconds to wait for a quorum (longer than the time between two exchanges: DiLoCo's
+            outer steps are H inner steps apart).
+        address: the address other nodes reach this node at (its checkpoint server and manager); default
+            the address of the interface that routes to the lighthouse.
+    """
+
+    lighthouse: Optional[str] = None
+    replica_id: Optional[str] = None
+    min_replicas: int = 1
+    timeout: float = 60.0
+    quorum_timeout: float = 300.0
+    address: Optional[str] = None
+
+    def resolved(self) -> "FaultTolerance":
+        """The settings with their defaults filled in from the environment (a BaguaXError names what is missing)."""
+        lighthouse = self.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        replica_id = self.replica_id or os.environ.get("REPLICA_GROUP_ID")
+        missing = [name for name, value in (("lighthouse (or TORCHFT_LIGHTHOUSE)", lighthouse),
+                                            ("replica_id (or REPLICA_GROUP_ID)", replica_id)) if not value]
+        if missing:
+            raise BaguaXError(f"FaultTolerance: {' and '.join(missing)} not set: give each node a name kept across "
+                              "its restarts and the lighthouse's address (`bagua-x cluster --fault-tolerant` and "
+                              "torchft_lighthouse print it)")
+        if self.min_replicas < 1:
+            raise BaguaXError(f"FaultTolerance: min_replicas must be >= 1, got {self.min_replicas}")
+        return dataclasses.replace(self, lighthouse=lighthouse, replica_id=replica_id,
+                                   address=self.address or reachable_address(lighthouse))
+
+
+def reachable_address(lighthouse: str) -> str:
+    """The local address of the interface that routes to ``lighthouse``: the one peers reach (no packet is sent)."""
+    host = lighthouse.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+        except OSError as e:
+            raise BaguaXError(f"FaultTolerance: no route to the lighthouse {lighthouse!r} ({e}); check its address, "
+                              "or pass FaultTolerance(address=...) with this node's reachable address") from None
+
+
+def check_supported(algorithm: Algorithm) -> Algorithm:
+    """``algorithm`` as it runs over replica groups (always over nodes), or a BaguaXError saying what does."""
+    if not isinstance(algorithm, SUPPORTED):
+        names = ", ".join(a.__name__ for a in SUPPORTED)
+        raise BaguaXError(f"fault_tolerance supports {names} (and SparseLoCo, a DiLoCo), not "
+                          f"{type(algorithm).__name__}: use one of them, or train {type(algorithm).__name__} "
+                          "without fault_tolerance")
+    if isinstance(algorithm, DiLoCo) and algorithm.fragment_sync_delay:
+        raise BaguaXError("fault_tolerance with DiLoCo(fragment_sync_delay > 0) is not supported: an exchange left "
+                          "in flight across steps cannot be committed or discarded with its step; use "
+                          "fragment_sync_delay=0 (fragments are fine)")
+    if algorithm.hierarchical is not True:
+        log.info("bagua_x: fault tolerance: a node is one worker, so %s runs over nodes", type(algorithm).__name__)
+        algorithm = dataclasses.replace(algorithm, hierarchical=True)
+    return algorithm
+
+
+class Replicas:
+    """This rank's torchft Manager and the step protocol of the module docstring (made by ``wrap``).
+
+    ``manager`` is torchft's own: register further state there for healing
+    (``manager.register_state_dict_fn(key, load, save)``, e.g. the data position).
+    """
+
+    def __init__(self, settings: FaultTolerance, node_rank: int, node_size: int):
+        try:
+            from torchft import Manager, ProcessGroupGloo
+            from torchft.checkpointing.http_transport import HTTPTransport
+        except ImportError as e:
+            raise BaguaXError(f"fault_tolerance needs torchft ({e}): pip install 'bagua-x[ft]'") from None
+
+        class ReachableHTTPTransport(HTTPTransport):
+            """torchft's checkpoint server, advertised at the address peers reach (it gives the host name)."""
+
+            def address(self) -> str:
+                return f"http://{_url_host(settings.address)}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+        self.settings = settings
+        timeout = datetime.timedelta(seconds=settings.timeout)
+        self.group = ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=self.group, load_state_dict=None, state_dict=None, min_replica_size=settings.min_replicas,
+            use_async_quorum=False,  # heal before the exchange: every member then sends real values
+            timeout=timeout, quorum_timeout=datetime.timedelta(seconds=settings.quorum_timeout),
+            rank=node_rank, world_size=node_size, lighthouse_addr=settings.lighthouse,
+            replica_id=settings.replica_id, hostname=settings.address,
+            checkpoint_transport=ReachableHTTPTransport(timeout=timeout, num_chunks=0))
+        self._begun = False
+
+    def keep(self, key: str, save: Callable[[], object], load: Callable[[object], None]) -> None:
+        """Send ``save()`` to a healing peer, which gives it to its ``load``."""
+        self.manager.register_state_dict_fn(key, load, save)
+
+    def begin(self) -> None:
+        """The quorum before a step that crosses nodes (healing this node first if it is behind); once a step.
+
+        A training loop may call it first, before drawing its batch: the quorum then tells which members
+        take part (``manager.participating_rank()``, ``num_participants()``) and healing has restored the
+        registered data position.
+        """
+        if not self._begun:
+            self.manager.start_quorum()
+            self._begun = True
+
+    def commit(self) -> bool:
+        """Whether every member of the quorum completed the step begun (the caller applies it, or discards it)."""
+        if not self._begun:
+            return True  # nothing crossed nodes since the last commit: a local step
+        self._begun = False
+        committed = self.manager.should_commit()
+        if not committed:
+            log.warning("bagua_x: fault tolerance: step discarded (%s); the next quorum leaves out the dead",
+                        self.manager.errored() or "a member could not complete it")
+        return committed
+
+    @property
+    def step(self) -> int:
+        """Steps committed (the manager's count: the same on every live node)."""
+        return self.manager.current_step()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+class ReplicaCommunicator:
+    """The ranks at this rank's place in every node of the current quorum, over torchft's reconfigurable group.
+
+    Sized at each step.  A failed collective is reported to the manager (the
+    step will not commit) and returns zeros of the right shape, so the caller
+    goes on to the vote instead of raising.  After a failure the step's further
+    collectives are skipped (as torchft's own ``allreduce``).
+    """
+
+    features: frozenset[Feature] = frozenset()
+
+    def __init__(self, replicas: Replicas):
+        self._replicas = replicas
+
+    @property
+    def rank(self) -> int:
+        rank = self._replicas.manager.participating_rank()
+        if rank is None:
+            raise BaguaXError("bagua_x: a collective between nodes outside a quorum (internal error: begin() first)")
+        return rank
+
+    @property
+    def size(self) -> int:
+        return self._replicas.manager.num_participants()
+
+    def __repr__(self) -> str:
+        return f"ReplicaCommunicator(replica_id={self._replicas.settings.replica_id!r})"
+
+    def allreduce(self, x: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        out = x.clone(memory_format=torch.contiguous_format)
+        if self._replicas.manager.errored() is None:
+            torch_op = dist.ReduceOp.AVG if op is ReduceOp.AVG else _op(op)
+            self._replicas.manager.allreduce(out, reduce_op=torch_op).wait()  # AVG: over the members that take part
+        return out
+
+    def allgather(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        rows = [torch.zeros_like(x) for _ in range(self.size)]
+        self._run(lambda: self._replicas.group.allgather([rows], [x], AllgatherOptions()), "allgather")
+        return torch.stack(rows)
+
+    def alltoall(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim == 0 or x.shape[0] != self.size:
+            raise BaguaXError(f"alltoall needs one row per node ({self.size}), got shape {tuple(x.shape)}")
+        x = x.contiguous()
+        out = torch.zeros_like(x)
+        self._run(lambda: self._replicas.group.alltoall_base(out, x, [], [], AllToAllOptions()), "alltoall")
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        out = _reduce_rows(self.alltoall(x), ReduceOp.SUM if op is ReduceOp.AVG else op)
+        return out / self.size if op is ReduceOp.AVG else out
+
+    def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
+        out = x.clone(memory_format=torch.contiguous_format)
+        options = BroadcastOptions()
+        options.rootRank = root
+        self._run(lambda: self._replicas.group.broadcast([out], options), "broadcast")
+        return out
+
+    def permute(self, x, pairs: Sequence[tuple[int, int]]):
+        raise BaguaXError("point-to-point exchanges between replica groups are not supported (their members change)")
+
+    def switch(self, index, branches: Sequence[Callable], operand):
+        return branches[int(index)](operand)
+
+    def _run(self, start: Callable, what: str) -> None:
+        manager = self._replicas.manager
+        if manager.errored() is not None:
+            return
+        try:
+            start().wait()
+        except Exception as e:  # a peer died mid-step: this step is spoilt, the vote discards it
+            log.warning("bagua_x: fault tolerance: %s between nodes failed: %s", what, e)
+            manager.report_error(e)
+
+
+class ReplicaGroups(TorchCommunicator):
+    """The communicator of a wrapped model over replica groups: its own collectives stay inside the node (set-up
+    checks, broadcasts), ``within`` is the node and ``across`` the :class:`ReplicaCommunicator`."""
+
+    def __init__(self, process_group: dist.ProcessGroup, timeout: float, node: TorchCommunicator,
+                 replicas: Replicas):
+        super().__init__(process_group, timeout=timeout)
+        self._node_comms = (node, ReplicaCommunicator(replicas))
+        self._features = frozenset({Feature.HIERARCHICAL, Feature.REPLICA_GROUPS})
+
+    def duplicate(self) -> "TorchCommunicator":
+        raise BaguaXError("fault_tolerance runs no exchange in flight across steps (internal error)")
+
+    def use_nodes(self, two_level: bool) -> None:
+        if not two_level:
+            raise BaguaXError("over replica groups a node is always one worker (internal error: no flat form)")
+
+
+def healing_state(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], engine,
+                  signature: dict) -> tuple[Callable[[], dict], Callable[[dict], None]]:
+    """``(save, load)`` of what a healing node takes from a live one: the model, the optimizer, the algorithm's
+    state, and the ``signature`` (model and algorithm), which must match the healing node's own."""
+
+    def save() -> dict:
+        # copies: on CPU torchft serves the tensors it is given while this node trains on in place
+        return {"signature": signature,
+                "model": {k: v.detach().clone() for k, v in module.state_dict().items()},
+                "optimizer": copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None,
+                "algorithm": engine.state_dict()}
+
+    def load(state: dict) -> None:
+        if state["signature"] != signature:
+            differs = sorted(k for k in set(signature) | set(state["signature"])
+                             if signature.get(k) != state["signature"].get(k))
+            raise BaguaXError(f"bagua_x: fault tolerance: this node cannot heal from its peer: their {', '.join(differs)} "
+                              f"differ (here {[signature.get(k) for k in differs]}, the peer's "
+                              f"{[state['signature'].get(k) for k in differs]}); every node must train the same model "
+                              "with the same algorithm")
+        with torch.no_grad():
+            module.load_state_dict(state["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        engine.load_state_dict(state["algorithm"])
+        log.info("bagua_x: fault tolerance: healed from a live peer")
+
+    return save, load
+
+
+def _url_host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
