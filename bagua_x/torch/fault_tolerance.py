@@ -38,6 +38,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -111,6 +112,31 @@ def reachable_address(lighthouse: str) -> str:
                               "or pass FaultTolerance(address=...) with this node's reachable address") from None
 
 
+def _check_lighthouse(settings: FaultTolerance, node_group: dist.ProcessGroup) -> None:
+    """The node's first rank connects to the lighthouse (retrying for ``timeout`` seconds: it may start later);
+    every rank of the node raises the same BaguaXError if it cannot, instead of rank 0 alone after a minute
+    and the others with a closed store (collective in the node)."""
+    first = dist.get_global_rank(node_group, 0)
+    problem = [None]
+    if dist.get_rank() == first:
+        host, _, port = settings.lighthouse.split("://")[-1].rpartition(":")
+        deadline = time.monotonic() + settings.timeout
+        while True:
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=settings.timeout).close()
+                break
+            except (OSError, ValueError) as e:
+                if isinstance(e, ValueError) or time.monotonic() > deadline:
+                    problem = [f"bagua_x: fault tolerance: the lighthouse {settings.lighthouse!r} cannot be reached "
+                               f"({e}, for {settings.timeout:.0f} s); start it first (torchft_lighthouse "
+                               "--min_replicas 1) and give every rank its address (TORCHFT_LIGHTHOUSE=http://host:port)"]
+                    break
+                time.sleep(0.5)
+    dist.broadcast_object_list(problem, src=first, group=node_group)
+    if problem[0]:
+        raise BaguaXError(problem[0])
+
+
 def check_supported(algorithm: Algorithm) -> Algorithm:
     """``algorithm`` as it runs over replica groups (always over nodes), or a BaguaXError saying what does."""
     if not isinstance(algorithm, SUPPORTED):
@@ -135,7 +161,8 @@ class Replicas:
     (``manager.register_state_dict_fn(key, load, save)``, e.g. the data position).
     """
 
-    def __init__(self, settings: FaultTolerance, node_rank: int, node_size: int):
+    def __init__(self, settings: FaultTolerance, node_group: dist.ProcessGroup):
+        node_rank, node_size = dist.get_rank(node_group), dist.get_world_size(node_group)
         try:
             from torchft import Manager, ProcessGroupGloo
             from torchft.checkpointing.http_transport import HTTPTransport
@@ -148,7 +175,11 @@ class Replicas:
             def address(self) -> str:
                 return f"http://{_url_host(settings.address)}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
+        _check_lighthouse(settings, node_group)
         self.settings = settings
+        self.node_group = node_group
+        self._kept: dict[str, tuple[Callable[[], object], Callable[[object], None]]] = {}
+        self._healed = False  # this rank loaded a peer's state since the last begin()
         timeout = datetime.timedelta(seconds=settings.timeout)
         self.group = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
@@ -156,13 +187,21 @@ class Replicas:
             use_async_quorum=False,  # heal before the exchange: every member then sends real values
             timeout=timeout, quorum_timeout=datetime.timedelta(seconds=settings.quorum_timeout),
             rank=node_rank, world_size=node_size, lighthouse_addr=settings.lighthouse,
-            replica_id=settings.replica_id, hostname=settings.address,
+            replica_id=settings.replica_id, hostname=settings.address, connect_timeout=timeout,
             checkpoint_transport=ReachableHTTPTransport(timeout=timeout, num_chunks=0))
         self._begun = False
 
     def keep(self, key: str, save: Callable[[], object], load: Callable[[object], None]) -> None:
-        """Send ``save()`` to a healing peer, which gives it to its ``load``."""
-        self.manager.register_state_dict_fn(key, load, save)
+        """Send ``save()`` to a healing peer, which gives it to its ``load`` (e.g. the data position)."""
+        if key in self._kept:
+            raise BaguaXError(f"fault tolerance: state {key!r} is kept already: give each a name of its own")
+        self._kept[key] = (save, load)
+
+        def healed(state: object) -> None:
+            load(state)
+            self._healed = True
+
+        self.manager.register_state_dict_fn(key, healed, save)
 
     def begin(self) -> None:
         """The quorum before a step that crosses nodes (healing this node first if it is behind); once a step.
@@ -174,6 +213,26 @@ class Replicas:
         if not self._begun:
             self.manager.start_quorum()
             self._begun = True
+            self._agree_in_node()
+
+    def _agree_in_node(self) -> None:
+        """Where any rank of this node healed, every rank takes the node's first rank's state (collective in the node).
+
+        torchft picks a healing source per rank, spreading the load: ranks of one node may heal from different
+        peers.  Peers at the same committed step hold the same state, except at step 0, where each node still
+        has its own initial weights: a node whose ranks healed from two of them would hold two models.
+        """
+        flag = torch.tensor([int(self._healed)])
+        self._healed = False
+        dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.node_group)
+        if not flag.item():
+            return
+        first = dist.get_global_rank(self.node_group, 0)
+        state = [{key: save() for key, (save, _) in self._kept.items()} if dist.get_rank() == first else None]
+        dist.broadcast_object_list(state, src=first, group=self.node_group)
+        if dist.get_rank() != first:
+            for key, (_, load) in self._kept.items():
+                load(state[0][key])
 
     def commit(self) -> bool:
         """Whether every member of the quorum completed the step begun (the caller applies it, or discards it)."""
@@ -291,9 +350,10 @@ class ReplicaGroups(TorchCommunicator):
 
 
 def healing_state(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], engine,
-                  signature: dict) -> tuple[Callable[[], dict], Callable[[dict], None]]:
+                  algorithm: Algorithm, signature: dict) -> tuple[Callable[[], dict], Callable[[dict], None]]:
     """``(save, load)`` of what a healing node takes from a live one: the model, the optimizer, the algorithm's
-    state, and the ``signature`` (model and algorithm), which must match the healing node's own."""
+    state (less what is each worker's own: ``Algorithm.own_state`` starts at zero), and the ``signature``
+    (model and algorithm), which must match the healing node's own."""
 
     def save() -> dict:
         # copies: on CPU torchft serves the tensors it is given while this node trains on in place
@@ -306,15 +366,17 @@ def healing_state(module: torch.nn.Module, optimizer: Optional[torch.optim.Optim
         if state["signature"] != signature:
             differs = sorted(k for k in set(signature) | set(state["signature"])
                              if signature.get(k) != state["signature"].get(k))
-            raise BaguaXError(f"bagua_x: fault tolerance: this node cannot heal from its peer: their {', '.join(differs)} "
-                              f"differ (here {[signature.get(k) for k in differs]}, the peer's "
+            raise BaguaXError(f"bagua_x: fault tolerance: this node cannot heal from its peer: the {' and '.join(differs)} "
+                              f"differ{'s' if len(differs) == 1 else ''} (here {[signature.get(k) for k in differs]}, the peer's "
                               f"{[state['signature'].get(k) for k in differs]}); every node must train the same model "
                               "with the same algorithm")
         with torch.no_grad():
             module.load_state_dict(state["model"])
         if optimizer is not None:
             optimizer.load_state_dict(state["optimizer"])
-        engine.load_state_dict(state["algorithm"])
+        engine.load_state_dict({bucket: {k: torch.zeros_like(v) if k in algorithm.own_state else v
+                                          for k, v in fields.items()} if isinstance(fields, dict) else fields
+                                for bucket, fields in state["algorithm"].items()})
         log.info("bagua_x: fault tolerance: healed from a live peer")
 
     return save, load

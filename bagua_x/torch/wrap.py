@@ -78,7 +78,7 @@ class DistributedModel(torch.nn.Module):
         if fault_tolerance is None:
             self.comm = TorchCommunicator(group, timeout=self.timeout)
         else:  # this process group is one node; between nodes torchft's (see .fault_tolerance)
-            self.replicas = Replicas(fault_tolerance.resolved(), dist.get_rank(group), dist.get_world_size(group))
+            self.replicas = Replicas(fault_tolerance.resolved(), group)
             node = TorchCommunicator(private_group(group, self.timeout), timeout=self.timeout)
             self.comm = ReplicaGroups(group, self.timeout, node, self.replicas)
         check_one_gpu_per_rank(model_device(module), group, self.timeout)
@@ -109,7 +109,7 @@ class DistributedModel(torch.nn.Module):
         if self.replicas is not None:
             signature = {"model": [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()],
                          "algorithm": algorithm.hyperparameters()}
-            self.replicas.keep("bagua_x", *healing_state(module, optimizer, self._engine, signature))
+            self.replicas.keep("bagua_x", *healing_state(module, optimizer, self._engine, algorithm, signature))
             if algorithm.target is Target.GRAD:  # every step crosses nodes: its optimizer step waits for the vote
                 self._gated_optimizer = _gate(optimizer, self.replicas)
         for p in params:

@@ -203,3 +203,27 @@ def test_the_exchange_can_stay_in_flight_for_its_lag(kw):
         assert apply_sent == 0
         for t in range(STEPS):
             assert np.abs(got[t] - want[t][r]).max() <= (2e-6 if alg.bits == 32 else 1e-3), (r, t)
+
+
+@pytest.mark.parametrize("kw", [dict(sync_every=4), dict(sync_every=6, fragments=3),
+                                dict(sync_every=8, fragments=2, fragment_sync_delay=2)])
+def test_communicates_exactly_at_the_steps_that_exchange(kw):
+    """``communicates(state)`` (decided on the host) is True exactly before the reduces that make collectives:
+    a frontend prepares the peers only then (fault-tolerant quorums), so a wrong answer would exchange unprepared
+    or make every inner step wait for a quorum."""
+    alg = DiLoCo(**kw)
+
+    def job(c):
+        x = np.linspace(-1, 1, 12).astype(np.float32) * (c.rank + 1)
+        state = alg.init(x, flat_layout(x), c.size)
+        seen = []
+        for _ in range(3 * alg.sync_every):
+            predicted, before = alg.communicates(state), len(c.ops())
+            x, state = alg.reduce(x * np.float32(0.9), flat_layout(x), state, c)
+            seen.append((predicted, len(c.ops()) > before))
+        return seen
+
+    seen = run(2, job)[0][0]
+    assert len(seen) == 3 * alg.sync_every
+    assert all(predicted == exchanged for predicted, exchanged in seen), seen
+    assert sum(exchanged for _, exchanged in seen) == 3 * alg.fragments  # each fragment once per H steps

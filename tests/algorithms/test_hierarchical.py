@@ -231,3 +231,38 @@ def test_bytegrad_writes_over_a_writable_bucket_and_leaves_a_read_only_one(local
     for (in_place, frozen_kept, a, b), w in zip(out, want):
         assert in_place and frozen_kept and np.array_equal(a, b) and a.dtype == b.dtype == np.float32
         assert np.abs(a - w).max() <= 1e-7  # seen 0 here; a flipped code is a step of ~1e-3
+
+
+def test_bytegrad_pads_its_shard_when_the_nodes_do_not_divide_it():
+    """Fault-tolerant replica groups lay buckets out for one node, then the number of nodes changes: 3 nodes of 2
+    ranks on 20 elements (shards of 10, not a multiple of 3).  Each shard travels padded with zeros to 12 and comes
+    back cut to 10: the reference's over-nodes ByteGrad on padded shards, bitwise across a node's ranks."""
+    n, local, numel = 6, 2, 20
+    rng = np.random.default_rng(7)
+    xs = [(rng.standard_normal(numel) * 0.05).astype(np.float32) for _ in range(n)]
+    out, comms = run(n, lambda c: ByteGrad(hierarchical=True).reduce(xs[c.rank].copy(), flat_layout(numel),
+                                                                     EmptyState(), c)[0], local_size=local)
+    pad = lambda ys: [np.concatenate([y, np.zeros(2, np.float32)]) for y in ys]  # noqa: E731
+    want = ref.over_nodes(xs, local, lambda ys: [y[:10] for y in ref.bytegrad(pad(ys), True)])
+    assert len(out) == n
+    check_nodes_agree(out, n, local)
+    for o, w in zip(out, want):
+        assert o.shape == w.shape == (numel,)
+        assert np.abs(o - w).max() <= 1e-7  # the same codes; the unpadded exchange would not even run (10 % 3)
+    assert all(c.across.ops() == ["alltoall", "allgather"] for c in comms)
+
+
+def test_replica_groups_always_run_over_nodes():
+    """Over fault-tolerant replica groups a node is one worker whatever the count of nodes, even one."""
+    from bagua_x.algorithms.base import hierarchical
+
+    class Comm:
+        def __init__(self, features, nodes, local):
+            self.features = frozenset(features)
+            self.across, self.within = type("C", (), {"size": nodes})(), type("C", (), {"size": local})()
+
+    for nodes, local in [(1, 2), (2, 1), (3, 2)]:
+        assert hierarchical(True, Comm({Feature.HIERARCHICAL, Feature.REPLICA_GROUPS}, nodes, local))
+        assert hierarchical(None, Comm({Feature.HIERARCHICAL, Feature.REPLICA_GROUPS}, nodes, local))
+        assert not hierarchical(False, Comm({Feature.HIERARCHICAL, Feature.REPLICA_GROUPS}, nodes, local))
+    assert not hierarchical(True, Comm({Feature.HIERARCHICAL}, 1, 2))  # plain node groups: one node is flat

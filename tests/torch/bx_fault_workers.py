@@ -319,3 +319,14 @@ def store_host_gone_before_inspector():
     built = time.monotonic()
     message = inspector.report(bucket, stuck=True)
     return {"build_s": built - start, "report_s": time.monotonic() - built, "message": message}
+
+
+def ft_without_lighthouse():
+    """wrap with fault tolerance while no lighthouse listens (FaultTolerance(timeout=2))."""
+    import torch
+
+    import bagua_x.torch as bxt
+
+    _init()
+    model = _model()
+    bxt.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=bxt.FaultTolerance(timeout=2))

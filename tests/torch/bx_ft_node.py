@@ -7,7 +7,7 @@ batch of each step is a pure function of (node, rank, committed step), so the
 data position is the committed step and a healed node continues where its peer
 is.  Every step appends one JSON line to ``log``: the committed count after it,
 whether it committed, how many nodes took part, the time, and the loss.  At the
-end it writes the final weights (``.pt``).
+end it writes the final weights and algorithm state (``.pt``).
 
     python bx_ft_node.py ALGORITHM TARGET LOG [DELAY]
 """
@@ -37,9 +37,19 @@ def batch(stream: int, index: int, rank: int) -> tuple[torch.Tensor, torch.Tenso
     return x, (x[:, :2].sum(dim=1) > 0).long()
 
 
+def _flat_state(wrapped):
+    out = []
+    for name, bucket in sorted(wrapped.algorithm_state_dict().items()):
+        if isinstance(bucket, dict):
+            out += [(f"{name}/{k}", v) for k, v in sorted(bucket.items()) if isinstance(v, torch.Tensor)]
+    return out
+
+
 def model(seed: int) -> torch.nn.Module:
+    """An MLP; BX_FT_WIDTH changes its hidden width (a node that joins with another model)."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+    width = int(os.environ.get("BX_FT_WIDTH", "32"))
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 2))
 
 
 def main(algorithm: str, target: int, log_path: str, delay: float = 0.0) -> None:
@@ -80,10 +90,12 @@ def main(algorithm: str, target: int, log_path: str, delay: float = 0.0) -> None
             position["inner"] += 1
             log.write(json.dumps({"rank": rank, "index": index, "rank_in_quorum": place, "step": manager.current_step(),
                                   "committed": manager.current_step() > before, "nodes": manager.num_participants(),
-                                  "time": time.time(), "loss": loss.item()}) + "\n")
+                                  "time": time.time(), "loss": loss.item(),
+                                  "debug": [float(v.double().sum()) for k, v in _flat_state(wrapped)]}) + "\n")
             log.flush()
             time.sleep(delay)
-    torch.save({k: v.clone() for k, v in net.state_dict().items()}, f"{log_path}.pt")
+    torch.save({"model": {k: v.clone() for k, v in net.state_dict().items()},
+                "algorithm": wrapped.algorithm_state_dict()}, f"{log_path}.pt")
     wrapped.shutdown()
     dist.destroy_process_group()
 

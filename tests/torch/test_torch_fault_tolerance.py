@@ -50,10 +50,10 @@ class Job:
     def log(self, node: int, rank: int = 0) -> Path:
         return self.tmp / f"node{node}-rank{rank}.jsonl"
 
-    def start(self, node: int) -> None:
+    def start(self, node: int, **extra_env: str) -> None:
         port, procs = _port(), []
         for rank in range(RANKS):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank),
+            env = dict(os.environ, **extra_env, RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(RANKS), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        REPLICA_GROUP_ID=f"node{node}", TORCHFT_LIGHTHOUSE=self.address,
                        PYTHONPATH=str(ROOT), RUST_LOG="warn")
@@ -127,8 +127,64 @@ def job_factory(tmp_path):
         job.close()
 
 
-def _final_weights(job: Job) -> list[dict]:
-    return [torch.load(f"{job.log(node, rank)}.pt") for node in (0, 1) for rank in range(RANKS)]
+def _final(job: Job, what: str) -> list[dict]:
+    """Every rank's final ``what`` ("model": its weights; "algorithm": its algorithm_state_dict()), flat."""
+    out = []
+    for node in (0, 1):
+        for rank in range(RANKS):
+            saved = torch.load(f"{job.log(node, rank)}.pt")[what]
+            out.append(dict(_flat(saved)))
+    return out
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flat(v, f"{prefix}/{k}")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _flat(v, f"{prefix}/{i}")
+    elif isinstance(tree, torch.Tensor):
+        yield prefix, tree
+
+
+def _assert_equal_everywhere(job: Job, values: list[dict], what: str, own: tuple = ()) -> None:
+    """``values`` (one per rank, node-major) bitwise equal on every rank; entries named ``own`` (a worker's own
+    state) only on the ranks of one node."""
+    assert values[0], f"no {what} saved"
+    for i, v in enumerate(values[1:], 1):
+        assert v.keys() == values[0].keys()
+        for name in v:
+            first = values[0] if not name.endswith(own) or not own else values[i // RANKS * RANKS]
+            assert torch.equal(v[name], first[name]), (
+                f"{what} {name} differs between rank 0 and node {i // RANKS} rank {i % RANKS} after "
+                f"healing; last steps: {job.lines(0)[-3:]} {job.lines(1)[-3:]}")
+
+
+def _kill_and_restart(job: Job, after_step: int) -> dict:
+    """Kill node 1 once both nodes committed ``after_step`` steps together, start it again; what was measured."""
+    job.start(0)
+    job.start(1)
+    job.wait_for(lambda: any(e["committed"] and e["nodes"] == 2 and e["step"] >= after_step for e in job.lines(1)),
+                 120, "two-node steps before the kill")
+    killed_at = job.kill(1)
+    job.wait_for(lambda: any(e["committed"] and e["time"] > killed_at for e in job.lines(0)), 30,
+                 "commit on node 0 after the kill")
+    survivor = [e for e in job.lines(0) if e["committed"] and e["time"] > killed_at]
+    steps_at_kill = max(e["step"] for e in job.lines(0) if e["time"] <= killed_at)
+    before = len(job.lines(1))
+    restarted_at = time.time()
+    job.start(1)
+    job.wait_for(lambda: any(e["committed"] and e["nodes"] == 2 for e in job.lines(1)[before:]), 60,
+                 "a two-node step of the restarted node")
+    after = job.lines(1)[before:]
+    measured = {"survivor_resumed": survivor[0]["time"] - killed_at,
+                "rejoined": min(e["time"] for e in after if e["committed"]) - restarted_at,
+                "alone": survivor[0]["nodes"] == 1, "steps_at_kill": steps_at_kill, "before": before}
+    job.finish(timeout=120)
+    print(f"{job.algorithm}: node 0 committed again {measured['survivor_resumed']:.1f} s after the kill; node 1 "
+          f"trained again {measured['rejoined']:.1f} s after its restart")
+    return measured
 
 
 @pytest.mark.timeout(240)
@@ -138,40 +194,99 @@ def test_a_killed_node_heals_while_the_other_trains_on(job_factory, algorithm):
     started again, heals from node 0 and trains with it within 60 s; the weights end equal on every rank, and
     the committed steps consume the global batch count exactly once (no batch lost or seen twice)."""
     job = job_factory(algorithm, target=260)
-    job.start(0)
-    job.start(1)
-    job.wait_for(lambda: any(e["committed"] and e["nodes"] == 2 and e["step"] >= 40 for e in job.lines(1)),
-                 120, "two-node steps before the kill")
-    killed_at = job.kill(1)
-    job.wait_for(lambda: any(e["committed"] and e["time"] > killed_at for e in job.lines(0)), 30,
-                 "commit on node 0 after the kill")
-    survivor_resumed = min(e["time"] for e in job.lines(0) if e["committed"] and e["time"] > killed_at) - killed_at
-    dead_steps = [e["step"] for e in job.lines(0) if e["committed"] and e["time"] > killed_at and e["nodes"] == 1]
-    steps_at_kill = max(e["step"] for e in job.lines(0) if e["time"] <= killed_at)
-    before = len(job.lines(1))
-    restarted_at = time.time()
-    job.start(1)
-    job.wait_for(lambda: any(e["committed"] and e["nodes"] == 2 for e in job.lines(1)[before:]), 60,
-                 "a two-node step of the restarted node")
-    rejoined = min(e["time"] for e in job.lines(1)[before:] if e["committed"]) - restarted_at
-    job.finish(timeout=120)
-    print(f"{algorithm}: node 0 committed again {survivor_resumed:.1f} s after the kill; node 1 trained again "
-          f"{rejoined:.1f} s after its restart; {len(dead_steps)} steps alone")
-
-    assert survivor_resumed < 30 and rejoined < 60
-    assert dead_steps, "node 0 never committed alone: the kill was not seen"
-    after = job.lines(1)[before:]
-    assert after[0]["step"] > steps_at_kill, "the restarted node started over instead of healing to node 0's step"
-    weights = _final_weights(job)
-    for i, w in enumerate(weights[1:], 1):
-        assert w.keys() == weights[0].keys()
-        for name in w:
-            assert torch.equal(w[name], weights[0][name]), (
-                f"{name} differs between node 0 rank 0 and node {i // RANKS} rank {i % RANKS} after healing; "
-                f"last steps: {job.lines(0)[-3:]} {job.lines(1)[-3:]}")
+    measured = _kill_and_restart(job, after_step=40)
+    assert measured["survivor_resumed"] < 30 and measured["rejoined"] < 60
+    assert measured["alone"], "node 0's first commit after the kill had two nodes: the kill was not seen"
+    after = job.lines(1)[measured["before"]:]
+    assert after[0]["step"] > measured["steps_at_kill"], "the restarted node started over instead of healing"
+    _assert_equal_everywhere(job, _final(job, "model"), "weight")
     # every committed step drew the batches [start, start + nodes) of the global count: contiguous, none twice
     committed = [e for e in job.lines(0) if e["committed"]]
     starts = [e["index"] - e["rank_in_quorum"] for e in committed]
     for previous, entry, start in zip(committed, committed[1:], starts[1:]):
         assert start == previous["index"] - previous["rank_in_quorum"] + previous["nodes"], (previous, entry)
     assert committed[-1]["step"] == job.target
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("algorithm", ["diloco", "sparseloco"])
+def test_diloco_survives_a_killed_node_and_heals_its_outer_state(job_factory, algorithm):
+    """DiLoCo (H=4) and SparseLoCo: the survivor's outer step after the kill is discarded, rolled back and
+    retried alone; the restarted node heals at its first outer step (the global copy, the outer momentum, the
+    error feedback, the inner optimizer and the data position) and from there every rank holds the same global
+    weights and outer state, bit for bit."""
+    job = job_factory(algorithm, target=480)
+    measured = _kill_and_restart(job, after_step=12)
+    assert measured["survivor_resumed"] < 30 and measured["rejoined"] < 60
+    assert measured["alone"]
+    states = _final(job, "algorithm")
+    assert any("global_weights" in k for k in states[0]), list(states[0])
+    # the error feedback is each node's own (what it has not sent): equal inside a node, apart between nodes
+    _assert_equal_everywhere(job, states, "algorithm state", own=("/error",))
+    if algorithm == "sparseloco":
+        errors = [v for k, v in states[0].items() if k.endswith("/error")]
+        assert errors and any(e.abs().sum() > 0 for e in errors)
+    committed = [e for e in job.lines(0) if e["committed"]]
+    outer = [e["step"] for e in committed]
+    assert outer == list(range(outer[0], outer[0] + len(outer))), "an outer step was committed twice or skipped"
+
+
+@pytest.mark.timeout(120)
+def test_a_node_with_another_model_is_refused_when_it_heals(job_factory):
+    """A node that joins a running job with another model cannot heal from it: each of its ranks raises a
+    BaguaXError naming what differs, while the job trains on."""
+    job = job_factory("allreduce", target=100_000)
+    job.start(0)
+    job.wait_for(lambda: len(job.lines(0)) >= 5, 60, "steps of node 0")
+    job.start(1, BX_FT_WIDTH="16")
+    for p in job.procs[1]:
+        p.wait(timeout=60)
+    for rank in range(RANKS):
+        assert job.procs[1][rank].returncode != 0
+        text = (job.tmp / f"node1-rank{rank}.out").read_text()
+        assert "BaguaXError" in text and "cannot heal from its peer: the model differs" in text, job.output(1)
+    job.procs.pop(1)  # gone, as it should be
+    trained = len(job.lines(0))
+    job.wait_for(lambda: len(job.lines(0)) > trained + 5, 30, "node 0 training on")
+    assert all(p.poll() is None for p in job.procs[0])
+
+
+@pytest.mark.timeout(120)
+def test_an_unreachable_lighthouse_is_named_on_every_rank():
+    from launch import run_workers
+
+    results = run_workers("bx_fault_workers:ft_without_lighthouse", nproc=2, expect_failure=True, timeout=90,
+                          env={"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{_port()}", "REPLICA_GROUP_ID": "node0",
+                               "PYTHONPATH": str(ROOT / "tests" / "torch")})
+    assert len(results) == 2
+    for status, text in results:
+        assert status == "error" and "BaguaXError" in text and "cannot be reached" in text, text
+
+
+def test_settings_and_algorithms_are_checked_before_any_connection(monkeypatch):
+    from bagua_x.algorithms import ByteGrad, DiLoCo, GradientAllReduce, PowerSGD, SparseLoCo
+    from bagua_x.core.errors import BaguaXError
+    from bagua_x.torch import FaultTolerance
+    from bagua_x.torch.fault_tolerance import check_supported, reachable_address
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    with pytest.raises(BaguaXError, match="lighthouse .*and replica_id .*not set"):
+        FaultTolerance().resolved()
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "node3")
+    settings = FaultTolerance().resolved()
+    assert (settings.lighthouse, settings.replica_id, settings.address) == ("http://127.0.0.1:29510", "node3",
+                                                                            "127.0.0.1")
+    assert reachable_address("http://127.0.0.1:1") == "127.0.0.1"
+    with pytest.raises(BaguaXError, match="min_replicas"):
+        FaultTolerance(min_replicas=0).resolved()
+    with pytest.raises(BaguaXError, match="supports GradientAllReduce, ByteGrad, DiLoCo.*not PowerSGD"):
+        check_supported(PowerSGD())
+    with pytest.raises(BaguaXError, match="fragment_sync_delay"):
+        check_supported(DiLoCo(sync_every=8, fragments=2, fragment_sync_delay=1))
+    # a node is one worker: every supported algorithm runs over nodes, its other settings kept
+    for algorithm in (GradientAllReduce(average=False), ByteGrad(hierarchical=False), SparseLoCo(sync_every=5)):
+        ran = check_supported(algorithm)
+        assert ran.hierarchical is True and type(ran) is type(algorithm)
+        assert {**ran.hyperparameters(), "hierarchical": None} == {**algorithm.hyperparameters(), "hierarchical": None}
