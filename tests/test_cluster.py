@@ -294,3 +294,35 @@ def test_the_burst_follows_the_rate():
     assert cluster.burst_bytes("1gbit") == 500_000 and cluster.burst_bytes("10gbit") == cluster.BURST_MAX
     with pytest.raises(ValueError, match="cannot read the rate 'fast'"):
         cluster.burst_bytes("fast")
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_fault_tolerant_cluster_restarts_a_dead_node_which_heals_across_namespaces(tmp_path):
+    """``--fault-tolerant``: the lighthouse on node 0, a torchrun per node.  Every rank of node 1 kills itself at
+    its 40th step; its torchrun restarts it, and it heals from node 0 across the namespaces (the checkpoint
+    server and the store are advertised at the node's veth address, not its host name, which the other node
+    cannot resolve to it).  The run ends well and every rank holds the same weights."""
+    pytest.importorskip("torchft")
+    env = dict(os.environ, BX_FT_DIE_AT="40", RUST_LOG="warn")
+    log = tmp_path / "node{node}-rank{rank}.jsonl"
+    rc, out, prefix = run_cluster("--nodes", "2", "--nproc-per-node", "2", "--fault-tolerant", "--max-restarts", "1",
+                                  "--timeout", "200", "--", "python", str(ROOT / "tests" / "torch" / "bx_ft_node.py"),
+                                  "allreduce", "150", str(log), "0.02", env=env, timeout=260)
+    assert rc == 0, out[-5000:]
+    lines = {(n, r): [json.loads(x) for x in (tmp_path / f"node{n}-rank{r}.jsonl").read_text().splitlines()]
+             for n in (0, 1) for r in (0, 1)}
+    node1 = lines[(1, 0)]
+    gaps = [i for i in range(1, len(node1)) if node1[i]["time"] - node1[i - 1]["time"] > 1]  # the restart
+    assert gaps == [40], (gaps, out[-3000:])  # died at its 40th step, once
+    died_at, back = node1[39], node1[40]
+    assert back["step"] > died_at["step"], "the restarted node started over instead of healing to node 0's step"
+    alone = [e for e in lines[(0, 0)] if e["committed"] and died_at["time"] < e["time"] < back["time"]]
+    assert any(e["nodes"] == 1 for e in alone), "node 0 did not train on alone meanwhile"
+    assert node1[-1]["step"] == lines[(0, 0)][-1]["step"] == 150
+    import torch
+
+    weights = [torch.load(f"{tmp_path}/node{n}-rank{r}.jsonl.pt")["model"] for n in (0, 1) for r in (0, 1)]
+    for w in weights[1:]:
+        assert all(torch.equal(w[k], weights[0][k]) for k in weights[0])
+    assert own_namespaces(prefix) == []

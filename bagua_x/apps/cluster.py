@@ -226,13 +226,34 @@ def program(command: Sequence[str]) -> list[str]:
     return command
 
 
-def torchrun_command(cluster: Cluster, k: int, nproc_per_node: int, master_port: int, command: Sequence[str]) -> list[str]:
+def torchrun_command(cluster: Cluster, k: int, nproc_per_node: int, master_port: int, command: Sequence[str],
+                     max_restarts: Optional[int] = None) -> list[str]:
+    """Node ``k``'s launcher: one torchrun over every node, or (``max_restarts`` given: fault-tolerant) a torchrun
+    of this node alone, its store on its own address, restarting its ranks up to ``max_restarts`` times."""
+    own = max_restarts is not None
     return [
         *cluster.node_wrapper(k), sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", str(cluster.nodes), "--node_rank", str(k), "--nproc_per_node", str(nproc_per_node),
-        "--master_addr", node_address(0), "--master_port", str(master_port), "--max_restarts", "0",
+        "--nnodes", "1" if own else str(cluster.nodes), "--node_rank", "0" if own else str(k),
+        "--nproc_per_node", str(nproc_per_node), "--master_addr", node_address(k if own else 0),
+        "--master_port", str(master_port), "--max_restarts", str(max_restarts or 0),
         "--monitor_interval", "0.2", "--no-python", *program(command),
     ]
+
+
+LIGHTHOUSE_PORT = 29510
+
+
+def lighthouse_command(cluster: Cluster, join_timeout_ms: int = 10_000, heartbeat_timeout_ms: int = 5_000) -> list[str]:
+    """torchft's lighthouse (from the torchft wheel) on node 0, for ``--fault-tolerant`` jobs: one node suffices
+    for a quorum; stragglers that heartbeat are awaited ``join_timeout_ms``."""
+    binary = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    if not os.path.exists(binary):
+        binary = shutil.which("torchft_lighthouse")
+    if binary is None:
+        raise ClusterUnavailable("bagua-x cluster --fault-tolerant needs torchft's lighthouse: pip install "
+                                 "'bagua-x[ft]'")
+    return [*cluster.node_wrapper(0), binary, "--min_replicas", "1", "--bind", f"[::]:{LIGHTHOUSE_PORT}",
+            "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms)]
 
 
 class _Stop(BaseException):
@@ -250,6 +271,7 @@ def run(
     euid: Optional[int] = None,
     env: Optional[dict] = None,
     grace: float = 5.0,
+    max_restarts: Optional[int] = None,
 ) -> int:
     """Run ``command`` on every rank of a ``nodes`` x ``nproc_per_node`` cluster; 0 when every rank succeeded.
 
@@ -257,6 +279,11 @@ def run(
     everything left is killed); past ``timeout`` seconds everything is killed
     and 124 is returned.  Raises :class:`ClusterUnavailable` when the cluster
     cannot be made here.
+
+    ``max_restarts`` (``--fault-tolerant``): each node is a torchft replica group instead: torchft's lighthouse
+    runs on node 0 (``TORCHFT_LIGHTHOUSE``), each node has a torchrun of its own that restarts its ranks when
+    one dies (up to ``max_restarts`` times; ``REPLICA_GROUP_ID`` names the node), and a node that fails for
+    good leaves the others training: the run ends when every node has, with the first failure's code.
     """
     why = missing_prerequisite(euid)
     if why:
@@ -286,21 +313,42 @@ def run(
             raise ClusterUnavailable(f"bagua-x cluster: setting up the namespaces failed: {e}") from e
         base = dict(os.environ if env is None else env)
         base.setdefault("PYTHONUNBUFFERED", "1")
+        fault_tolerant = max_restarts is not None
+        if fault_tolerant:
+            launchers.append(subprocess.Popen(lighthouse_command(cluster), env=base, start_new_session=True,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            base["TORCHFT_LIGHTHOUSE"] = f"http://{node_address(0)}:{LIGHTHOUSE_PORT}"
         for k in range(nodes):
             node_env = dict(base, GLOO_SOCKET_IFNAME=cluster.veth(k), BAGUA_X_CLUSTER_NODE=str(k),
                             BAGUA_X_LINK=inter_node)
-            launchers.append(subprocess.Popen(torchrun_command(cluster, k, nproc_per_node, master_port, command),
+            if fault_tolerant:
+                node_env["REPLICA_GROUP_ID"] = f"node{k}"
+            launchers.append(subprocess.Popen(torchrun_command(cluster, k, nproc_per_node, master_port, command,
+                                                               max_restarts),
                                               env=node_env, start_new_session=True))
+        lighthouse, nodes_launched = (launchers[0], launchers[1:]) if fault_tolerant else (None, launchers)
         deadline = time.monotonic() + timeout
         while True:
-            codes = [p.poll() for p in launchers]
+            codes = [p.poll() for p in nodes_launched]
             failed = [(k, c) for k, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
+            if fault_tolerant and lighthouse.poll() is not None:
+                print(f"bagua-x cluster: the lighthouse exited with {lighthouse.returncode}; stopping every node",
+                      file=sys.stderr)
+                _stop(launchers, grace)
+                return lighthouse.returncode or 1
+            if fault_tolerant and failed and all(c is not None for c in codes):
+                k, code = failed[0]
+                print(f"bagua-x cluster: every node has ended; node {k} failed with {code}", file=sys.stderr)
+                _stop(launchers, 0)
+                return code
+            if failed and not fault_tolerant:
                 k, code = failed[0]
                 print(f"bagua-x cluster: node {k} exited with {code}; stopping the other nodes", file=sys.stderr)
                 _stop(launchers, grace)
                 return code
             if all(c == 0 for c in codes):
+                if lighthouse is not None:
+                    _stop([lighthouse], 0)
                 return 0
             if time.monotonic() > deadline:
                 print(f"bagua-x cluster: still running after --timeout {timeout:g} s; killing every rank",
@@ -360,6 +408,11 @@ def add_arguments(parser) -> None:
                         help="seconds after which every rank is killed and the run fails (exit 124)")
     parser.add_argument("--master-port", type=int, default=29500,
                         help="torchrun's store port on node 0 (JAX's coordinator takes the next one)")
+    parser.add_argument("--fault-tolerant", action="store_true",
+                        help="each node a torchft replica group (bagua_x.torch.FaultTolerance): the lighthouse on "
+                             "node 0, a torchrun per node that restarts its ranks when one dies; needs bagua-x[ft]")
+    parser.add_argument("--max-restarts", type=int, default=3,
+                        help="with --fault-tolerant: restarts of a node's ranks before that node fails for good")
     parser.add_argument("cmd", nargs="...", metavar="-- COMMAND",
                         help="what every rank runs: python train.py args, or train.py args")
 
@@ -373,7 +426,8 @@ def main(args, euid: Optional[int] = None) -> int:
         return 2
     try:
         return run(command, nodes=args.nodes, nproc_per_node=args.nproc_per_node, inter_node=args.inter_node,
-                   delay=args.delay, timeout=args.timeout, master_port=args.master_port, euid=euid)
+                   delay=args.delay, timeout=args.timeout, master_port=args.master_port, euid=euid,
+                   max_restarts=args.max_restarts if args.fault_tolerant else None)
     except ClusterUnavailable as e:
         print(str(e), file=sys.stderr)
         return 2

@@ -137,6 +137,23 @@ def _check_lighthouse(settings: FaultTolerance, node_group: dist.ProcessGroup) -
         raise BaguaXError(problem[0])
 
 
+def _manager_store(settings: FaultTolerance, node_group: dist.ProcessGroup):
+    """A fresh TCPStore for this node's torchft managers, on the node's first rank: ``(store or None, port)``.
+
+    Not torchrun's store: that one outlives a restart of the node's ranks (``--max-restarts``), so a rank
+    would read the dead manager's address that the previous attempt left there.  Peers reach this one at
+    the node's reachable address (torchft's groups between nodes meet in the first member's store).
+    """
+    first = dist.get_global_rank(node_group, 0)
+    store, port = None, [None]
+    if dist.get_rank() == first:
+        store = dist.TCPStore(host_name=settings.address, port=0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=settings.timeout))
+        port = [store.port]
+    dist.broadcast_object_list(port, src=first, group=node_group)
+    return store, port[0]
+
+
 def check_supported(algorithm: Algorithm) -> Algorithm:
     """``algorithm`` as it runs over replica groups (always over nodes), or a BaguaXError saying what does."""
     if not isinstance(algorithm, SUPPORTED):
@@ -182,11 +199,13 @@ class Replicas:
         self._healed = False  # this rank loaded a peer's state since the last begin()
         timeout = datetime.timedelta(seconds=settings.timeout)
         self.group = ProcessGroupGloo(timeout=timeout)
+        self._store, store_port = _manager_store(settings, node_group)
         self.manager = Manager(
             pg=self.group, load_state_dict=None, state_dict=None, min_replica_size=settings.min_replicas,
             use_async_quorum=False,  # heal before the exchange: every member then sends real values
             timeout=timeout, quorum_timeout=datetime.timedelta(seconds=settings.quorum_timeout),
-            rank=node_rank, world_size=node_size, lighthouse_addr=settings.lighthouse,
+            rank=node_rank, world_size=node_size, store_addr=settings.address, store_port=store_port,
+            lighthouse_addr=settings.lighthouse,
             replica_id=settings.replica_id, hostname=settings.address, connect_timeout=timeout,
             checkpoint_transport=ReachableHTTPTransport(timeout=timeout, num_chunks=0))
         self._begun = False

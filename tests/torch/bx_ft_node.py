@@ -10,12 +10,17 @@ whether it committed, how many nodes took part, the time, and the loss.  At the
 end it writes the final weights and algorithm state (``.pt``).
 
     python bx_ft_node.py ALGORITHM TARGET LOG [DELAY]
+
+LOG may hold ``{node}`` and ``{rank}`` (every rank of a ``bagua-x cluster`` runs the same command).  With
+``BX_FT_DIE_AT=K`` every rank of node 1 kills itself (SIGKILL) at its K-th step of its first attempt, so
+that torchrun restarts the node (``bagua-x cluster --fault-tolerant``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -60,9 +65,12 @@ def main(algorithm: str, target: int, log_path: str, delay: float = 0.0) -> None
     import bagua_x.algorithms as alg
     import bagua_x.torch as bxt
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank = int(os.environ["RANK"])  # wrap() initialises torch.distributed: a store prefix per torchrun restart
     node = int(os.environ["REPLICA_GROUP_ID"].removeprefix("node"))
+    log_path = log_path.format(node=node, rank=rank)
+    die_at = int(os.environ.get("BX_FT_DIE_AT", "-1")) if node == 1 else -1
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        die_at = -1  # a restarted node lives
     net = model(seed=node)  # nodes start apart: the first quorum heals them to one
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     algo = ALGORITHMS[algorithm](alg)
@@ -93,6 +101,8 @@ def main(algorithm: str, target: int, log_path: str, delay: float = 0.0) -> None
                                   "time": time.time(), "loss": loss.item(),
                                   "debug": [float(v.double().sum()) for k, v in _flat_state(wrapped)]}) + "\n")
             log.flush()
+            if position["inner"] == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(delay)
     torch.save({"model": {k: v.clone() for k, v in net.state_dict().items()},
                 "algorithm": wrapped.algorithm_state_dict()}, f"{log_path}.pt")
