@@ -317,8 +317,10 @@ def test_fault_tolerant_cluster_restarts_a_dead_node_which_heals_across_namespac
     assert gaps == [40], (gaps, out[-3000:])  # died at its 40th step, once
     died_at, back = node1[39], node1[40]
     assert back["step"] > died_at["step"], "the restarted node started over instead of healing to node 0's step"
-    alone = [e for e in lines[(0, 0)] if e["committed"] and died_at["time"] < e["time"] < back["time"]]
-    assert any(e["nodes"] == 1 for e in alone), "node 0 did not train on alone meanwhile"
+    # node 0 was never restarted nor healed: it committed every step once, in order (it waited for the quorum or
+    # trained alone while node 1 was away, as the lighthouse's heartbeat timeout and the restart's speed decide)
+    committed = [e["step"] for e in lines[(0, 0)] if e["committed"]]
+    assert committed == list(range(committed[0], 151)), committed
     assert node1[-1]["step"] == lines[(0, 0)][-1]["step"] == 150
     import torch
 

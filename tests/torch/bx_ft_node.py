@@ -12,7 +12,7 @@ end it writes the final weights and algorithm state (``.pt``).
     python bx_ft_node.py ALGORITHM TARGET LOG [DELAY]
 
 LOG may hold ``{node}`` and ``{rank}`` (every rank of a ``bagua-x cluster`` runs the same command).  With
-``BX_FT_DIE_AT=K`` every rank of node 1 kills itself (SIGKILL) at its K-th step of its first attempt, so
+``BX_FT_DIE_AT=K`` every rank of node 1 kills itself (SIGKILL) after its K-th step of its first attempt, so
 that torchrun restarts the node (``bagua-x cluster --fault-tolerant``).
 """
 
@@ -81,6 +81,7 @@ def main(algorithm: str, target: int, log_path: str, delay: float = 0.0) -> None
     per_step = not isinstance(algo, alg.DiLoCo)
     position = {"inner": 0}
     replicas.keep("data", lambda: dict(position), position.update)
+    steps_here = 0  # in this attempt
     with open(log_path, "a") as log:
         while (manager.current_step() if per_step else position["inner"]) < target:
             if per_step:
@@ -101,7 +102,8 @@ def main(algorithm: str, target: int, log_path: str, delay: float = 0.0) -> None
                                   "time": time.time(), "loss": loss.item(),
                                   "debug": [float(v.double().sum()) for k, v in _flat_state(wrapped)]}) + "\n")
             log.flush()
-            if position["inner"] == die_at:
+            steps_here += 1
+            if steps_here == die_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(delay)
     torch.save({"model": {k: v.clone() for k, v in net.state_dict().items()},
