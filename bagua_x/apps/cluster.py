@@ -39,6 +39,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -207,6 +208,29 @@ class Cluster:
                 shutil.rmtree(self.hosts_dir, ignore_errors=True)
                 self.hosts_dir = None
 
+    def kill_ranks(self, k: int, match: str) -> int:
+        """SIGKILL node ``k``'s processes whose command line holds ``match``, but not its torchrun launcher (which
+        then restarts them, under ``--fault-tolerant``); how many were killed.  A fault to measure recovery by."""
+        out = subprocess.run(["ip", "netns", "pids", self.namespace(k)], capture_output=True, text=True,
+                             timeout=30).stdout
+        killed = 0
+        for pid in map(int, out.split()):
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if match in cmdline and "torch.distributed.run" not in cmdline:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+                except ProcessLookupError:
+                    pass
+        return killed
+
+    def set_link(self, k: int, up: bool) -> None:
+        """Take node ``k``'s inter-node link down or up again: a partition, to measure recovery by."""
+        _run(["ip", "netns", "exec", self.namespace(k), "ip", "link", "set", self.veth(k), "up" if up else "down"])
+
     def node_wrapper(self, k: int) -> list[str]:
         """Prefix that runs a command on node ``k``: its namespace, its host name, the cluster's hosts file."""
         script = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
@@ -241,6 +265,9 @@ def torchrun_command(cluster: Cluster, k: int, nproc_per_node: int, master_port:
 
 
 LIGHTHOUSE_PORT = 29510
+#: --fault-tolerant: once a node has finished the job, the others' seconds to finish too before they are stopped
+#: (one may be restarting, with no live node left to heal from)
+FINISH_GRACE_S = 60.0
 
 
 def lighthouse_command(cluster: Cluster, join_timeout_ms: int = 10_000, heartbeat_timeout_ms: int = 5_000) -> list[str]:
@@ -272,6 +299,7 @@ def run(
     env: Optional[dict] = None,
     grace: float = 5.0,
     max_restarts: Optional[int] = None,
+    while_running: Optional[Callable[[Cluster], None]] = None,
 ) -> int:
     """Run ``command`` on every rank of a ``nodes`` x ``nproc_per_node`` cluster; 0 when every rank succeeded.
 
@@ -283,7 +311,9 @@ def run(
     ``max_restarts`` (``--fault-tolerant``): each node is a torchft replica group instead: torchft's lighthouse
     runs on node 0 (``TORCHFT_LIGHTHOUSE``), each node has a torchrun of its own that restarts its ranks when
     one dies (up to ``max_restarts`` times; ``REPLICA_GROUP_ID`` names the node), and a node that fails for
-    good leaves the others training: the run ends when every node has, with the first failure's code.
+    good leaves the others training.  The job is done when a node finishes: the others get ``FINISH_GRACE_S``
+    to finish too, then they are stopped; 0, unless every node failed (the first failure's code).
+    ``while_running(cluster)`` runs on a thread of its own once the ranks are launched (faults to inject).
     """
     why = missing_prerequisite(euid)
     if why:
@@ -327,7 +357,10 @@ def run(
                                                                max_restarts),
                                               env=node_env, start_new_session=True))
         lighthouse, nodes_launched = (launchers[0], launchers[1:]) if fault_tolerant else (None, launchers)
+        if while_running is not None:
+            threading.Thread(target=while_running, args=(cluster,), daemon=True, name="bagua-x-cluster-faults").start()
         deadline = time.monotonic() + timeout
+        finished = None  # when the first node finished its job (--fault-tolerant)
         while True:
             codes = [p.poll() for p in nodes_launched]
             failed = [(k, c) for k, c in enumerate(codes) if c not in (None, 0)]
@@ -336,8 +369,20 @@ def run(
                       file=sys.stderr)
                 _stop(launchers, grace)
                 return lighthouse.returncode or 1
+            if fault_tolerant and 0 in codes and None in codes:  # the job is done: the others follow, or stop
+                finished = finished or time.monotonic()
+                if time.monotonic() - finished > FINISH_GRACE_S:
+                    print(f"bagua-x cluster: node {codes.index(0)} finished; stopping the nodes still running "
+                          f"{FINISH_GRACE_S:g} s later", file=sys.stderr)
+                    _stop(launchers, grace)
+                    return 0
             if fault_tolerant and failed and all(c is not None for c in codes):
                 k, code = failed[0]
+                if 0 in codes:  # a node that failed for good while another finished the job
+                    print(f"bagua-x cluster: node {codes.index(0)} finished; node {k} had failed with {code}",
+                          file=sys.stderr)
+                    _stop(launchers, 0)
+                    return 0
                 print(f"bagua-x cluster: every node has ended; node {k} failed with {code}", file=sys.stderr)
                 _stop(launchers, 0)
                 return code

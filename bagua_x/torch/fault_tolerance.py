@@ -15,7 +15,9 @@ One step that crosses nodes is one torchft step:
    user's registered state (e.g. the data position), served over HTTP at the
    address its peers reach (not the host name, which fails across network
    namespaces).  So every member then sends real values and no average needs a
-   correction for a member that had none.
+   correction for a member that had none.  A restarted node alone in the
+   quorum waits for a peer instead of training on from its initial weights
+   (it would overwrite the job's progress when the others come back).
 2. the algorithm's exchange, over the quorum's members (the communicator's
    ``across`` is sized at each step).  A collective that fails (a peer died
    mid-step) is reported to the manager instead of raising: the step is
@@ -43,7 +45,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions, BroadcastOptions
 
 from ..algorithms import ByteGrad, DiLoCo, GradientAllReduce
@@ -51,6 +52,7 @@ from ..algorithms.base import Algorithm
 from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
 from .communicator import TorchCommunicator, _op, _reduce_rows
+from .store import restart_count
 
 __all__ = ["FaultTolerance", "Replicas", "ReplicaCommunicator", "ReplicaGroups"]
 
@@ -71,7 +73,8 @@ class FaultTolerance:
         min_replicas: the fewest nodes that may commit a step (1: a lone survivor trains on).
         timeout: seconds each collective between nodes, each vote and each healing transfer may take.
         quorum_timeout: seconds to wait for a quorum (longer than the time between two exchanges: DiLoCo's
-            outer steps are H inner steps apart).
+            outer steps are H inner steps apart); also how long a restarted node waits for a live node to
+            heal from before it gives up (it never trains alone from its initial weights).
         address: the address other nodes reach this node at (its checkpoint server and manager); default
             the address of the interface that routes to the lighthouse.
     """
@@ -80,7 +83,7 @@ class FaultTolerance:
     replica_id: Optional[str] = None
     min_replicas: int = 1
     timeout: float = 60.0
-    quorum_timeout: float = 300.0
+    quorum_timeout: float = 60.0
     address: Optional[str] = None
 
     def resolved(self) -> "FaultTolerance":
@@ -91,8 +94,8 @@ class FaultTolerance:
                                             ("replica_id (or REPLICA_GROUP_ID)", replica_id)) if not value]
         if missing:
             raise BaguaXError(f"FaultTolerance: {' and '.join(missing)} not set: give each node a name kept across "
-                              "its restarts and the lighthouse's address (`bagua-x cluster --fault-tolerant` and "
-                              "torchft_lighthouse print it)")
+                              "its restarts, and the lighthouse's address (`bagua-x cluster --fault-tolerant` "
+                              "sets both)")
         if self.min_replicas < 1:
             raise BaguaXError(f"FaultTolerance: min_replicas must be >= 1, got {self.min_replicas}")
         return dataclasses.replace(self, lighthouse=lighthouse, replica_id=replica_id,
@@ -129,7 +132,8 @@ def _check_lighthouse(settings: FaultTolerance, node_group: dist.ProcessGroup) -
                 if isinstance(e, ValueError) or time.monotonic() > deadline:
                     problem = [f"bagua_x: fault tolerance: the lighthouse {settings.lighthouse!r} cannot be reached "
                                f"({e}, for {settings.timeout:.0f} s); start it first (torchft_lighthouse "
-                               "--min_replicas 1) and give every rank its address (TORCHFT_LIGHTHOUSE=http://host:port)"]
+                               "--min_replicas 1) and give every rank its address "
+                               "(TORCHFT_LIGHTHOUSE=http://host:port)"]
                     break
                 time.sleep(0.5)
     dist.broadcast_object_list(problem, src=first, group=node_group)
@@ -154,8 +158,12 @@ def _manager_store(settings: FaultTolerance, node_group: dist.ProcessGroup):
     return store, port[0]
 
 
-def check_supported(algorithm: Algorithm) -> Algorithm:
+def check_supported(algorithm: Algorithm, optimizer: Optional[torch.optim.Optimizer]) -> Algorithm:
     """``algorithm`` as it runs over replica groups (always over nodes), or a BaguaXError saying what does."""
+    if optimizer is None:
+        raise BaguaXError("fault_tolerance needs the optimizer: wrap(model, optimizer, ..., fault_tolerance=...): "
+                          "a step that some node could not complete must not be applied, and a healing node "
+                          "takes the optimizer's state too")
     if not isinstance(algorithm, SUPPORTED):
         names = ", ".join(a.__name__ for a in SUPPORTED)
         raise BaguaXError(f"fault_tolerance supports {names} (and SparseLoCo, a DiLoCo), not "
@@ -174,8 +182,8 @@ def check_supported(algorithm: Algorithm) -> Algorithm:
 class Replicas:
     """This rank's torchft Manager and the step protocol of the module docstring (made by ``wrap``).
 
-    ``manager`` is torchft's own: register further state there for healing
-    (``manager.register_state_dict_fn(key, load, save)``, e.g. the data position).
+    ``manager`` is torchft's own (``batches_committed()``, ``participating_rank()``...); hand further state
+    to healing nodes with :meth:`keep` (e.g. the data position), which also keeps a node's ranks agreed.
     """
 
     def __init__(self, settings: FaultTolerance, node_group: dist.ProcessGroup):
@@ -209,6 +217,8 @@ class Replicas:
             replica_id=settings.replica_id, hostname=settings.address, connect_timeout=timeout,
             checkpoint_transport=ReachableHTTPTransport(timeout=timeout, num_chunks=0))
         self._begun = False
+        # a node at the job's start may train alone until the others come; a restarted one first finds a peer
+        self._joined = restart_count() == 0
 
     def keep(self, key: str, save: Callable[[], object], load: Callable[[object], None]) -> None:
         """Send ``save()`` to a healing peer, which gives it to its ``load`` (e.g. the data position)."""
@@ -229,10 +239,22 @@ class Replicas:
         take part (``manager.participating_rank()``, ``num_participants()``) and healing has restored the
         registered data position.
         """
-        if not self._begun:
+        if self._begun:
+            return
+        deadline = time.monotonic() + self.settings.quorum_timeout
+        self.manager.start_quorum()
+        while not self._joined and self.manager.num_participants() < 2:
+            # restarted and alone: never become the quorum with a fresh model (the others may be away for a
+            # moment: a partition, their own restart); wait for one to heal from
+            if time.monotonic() > deadline:
+                raise BaguaXError(f"bagua_x: fault tolerance: this node was restarted and found no live node to heal "
+                                  f"from within quorum_timeout={self.settings.quorum_timeout:g} s; it will not train "
+                                  "alone from its initial weights: restart the job from a checkpoint")
+            time.sleep(1.0)
             self.manager.start_quorum()
-            self._begun = True
-            self._agree_in_node()
+        self._joined = True
+        self._begun = True
+        self._agree_in_node()
 
     def _agree_in_node(self) -> None:
         """Where any rank of this node healed, every rank takes the node's first rank's state (collective in the node).
@@ -385,10 +407,11 @@ def healing_state(module: torch.nn.Module, optimizer: Optional[torch.optim.Optim
         if state["signature"] != signature:
             differs = sorted(k for k in set(signature) | set(state["signature"])
                              if signature.get(k) != state["signature"].get(k))
-            raise BaguaXError(f"bagua_x: fault tolerance: this node cannot heal from its peer: the {' and '.join(differs)} "
-                              f"differ{'s' if len(differs) == 1 else ''} (here {[signature.get(k) for k in differs]}, the peer's "
-                              f"{[state['signature'].get(k) for k in differs]}); every node must train the same model "
-                              "with the same algorithm")
+            verb = "differs" if len(differs) == 1 else "differ"
+            raise BaguaXError(f"bagua_x: fault tolerance: this node cannot heal from its peer: the "
+                              f"{' and '.join(differs)} {verb} (here {[signature.get(k) for k in differs]}, the "
+                              f"peer's {[state['signature'].get(k) for k in differs]}); every node must train the "
+                              "same model with the same algorithm")
         with torch.no_grad():
             module.load_state_dict(state["model"])
         if optimizer is not None:

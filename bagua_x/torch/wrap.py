@@ -67,7 +67,7 @@ class DistributedModel(torch.nn.Module):
         super().__init__()
         self.module = module
         if fault_tolerance is not None:
-            algorithm = check_supported(algorithm)
+            algorithm = check_supported(algorithm, optimizer)
         self.algorithm = algorithm
         self.timeout = resolve_timeout(timeout, process_group)
         # a group of the same ranks for this wrapper alone: every collective below, and the communication
@@ -255,12 +255,9 @@ def misuse_problem(module: torch.nn.Module) -> Optional[str]:
     return None
 
 
-def _gate(optimizer: Optional[torch.optim.Optimizer], replicas: Replicas) -> torch.optim.Optimizer:
+def _gate(optimizer: torch.optim.Optimizer, replicas: Replicas) -> torch.optim.Optimizer:
     """``optimizer.step()`` steps only when the replica groups commit the step (the instance's own ``step``, as
     torch's LR schedulers wrap it; ``shutdown()`` removes it)."""
-    if optimizer is None:
-        raise BaguaXError("fault_tolerance needs the optimizer: wrap(model, optimizer, ..., fault_tolerance=...): "
-                          "a step some node could not complete must not be applied")
     step = optimizer.step
 
     def committed_step(*args, **kwargs):

@@ -75,7 +75,8 @@ def main(algorithm: str, target: int, log_path: str, delay: float = 0.0) -> None
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     algo = ALGORITHMS[algorithm](alg)
     wrapped = bxt.wrap(net, opt, algorithm=algo,
-                       fault_tolerance=bxt.FaultTolerance(timeout=10, quorum_timeout=60), timeout=60)
+                       fault_tolerance=bxt.FaultTolerance(
+                           timeout=10, quorum_timeout=float(os.environ.get("BX_FT_QUORUM_TIMEOUT", 60))), timeout=60)
     replicas = wrapped.replicas
     manager = replicas.manager
     per_step = not isinstance(algo, alg.DiLoCo)

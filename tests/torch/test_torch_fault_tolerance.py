@@ -41,7 +41,8 @@ class Job:
         self.tmp, self.algorithm, self.target, self.delay = tmp, algorithm, target, delay
         self.procs: dict[int, list[subprocess.Popen]] = {}
         code = ("import time\nfrom torchft._torchft import LighthouseServer\n"
-                "lh = LighthouseServer(bind='[::]:0', min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=3000)\n"
+                "lh = LighthouseServer(bind='[::]:0', min_replicas=1, join_timeout_ms=2000,\n"
+                "                      heartbeat_timeout_ms=3000)\n"
                 "print(lh.address().rsplit(':', 1)[1], flush=True)\ntime.sleep(3600)\n")
         self.lighthouse = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                            stderr=open(tmp / "lighthouse.err", "w"), text=True)
@@ -281,12 +282,31 @@ def test_settings_and_algorithms_are_checked_before_any_connection(monkeypatch):
     assert reachable_address("http://127.0.0.1:1") == "127.0.0.1"
     with pytest.raises(BaguaXError, match="min_replicas"):
         FaultTolerance(min_replicas=0).resolved()
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(BaguaXError, match="supports GradientAllReduce, ByteGrad, DiLoCo.*not PowerSGD"):
-        check_supported(PowerSGD())
+        check_supported(PowerSGD(), optimizer)
     with pytest.raises(BaguaXError, match="fragment_sync_delay"):
-        check_supported(DiLoCo(sync_every=8, fragments=2, fragment_sync_delay=1))
+        check_supported(DiLoCo(sync_every=8, fragments=2, fragment_sync_delay=1), optimizer)
+    with pytest.raises(BaguaXError, match="needs the optimizer"):
+        check_supported(GradientAllReduce(), None)
     # a node is one worker: every supported algorithm runs over nodes, its other settings kept
     for algorithm in (GradientAllReduce(average=False), ByteGrad(hierarchical=False), SparseLoCo(sync_every=5)):
-        ran = check_supported(algorithm)
+        ran = check_supported(algorithm, optimizer)
         assert ran.hierarchical is True and type(ran) is type(algorithm)
         assert {**ran.hyperparameters(), "hierarchical": None} == {**algorithm.hyperparameters(), "hierarchical": None}
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_node_alone_never_trains_from_its_initial_weights(job_factory):
+    """A node restarted by torchrun (TORCHELASTIC_RESTART_COUNT > 0) that finds no live node waits for one
+    (quorum_timeout), then every rank raises: it must not become the quorum and overwrite the job's progress.
+    (At the job's start, restart count 0, a node alone trains, as the other tests' first steps show.)"""
+    job = job_factory("allreduce", target=50)
+    job.start(1, TORCHELASTIC_RESTART_COUNT="1", BX_FT_QUORUM_TIMEOUT="4")
+    for p in job.procs[1]:
+        p.wait(timeout=90)
+    job.procs.pop(1)
+    assert job.lines(1) == [], "the restarted node trained alone"
+    for rank in range(RANKS):
+        text = (job.tmp / f"node1-rank{rank}.out").read_text()
+        assert "was restarted and found no live node to heal from" in text, text[-3000:]
