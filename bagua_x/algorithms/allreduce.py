@@ -26,6 +26,7 @@ class GradientAllReduce(NodeAware, Algorithm):
     hierarchical: Optional[bool] = False
     donates_input = True
     elementwise = True
+    elastic_nodes = True  # any number of nodes: what crosses them is an average (or a gather) over those there
 
     def reduce(self, flat, layout, state, comm):
         op = ReduceOp.AVG if self.average else ReduceOp.SUM

@@ -120,6 +120,10 @@ class Algorithm:
     #: where ``reduce`` runs over nodes, a node is one worker: the frontend also averages the gradients inside
     #: each node every step (before the optimizer), so a node's ranks stay identical (DiLoCo).
     averages_gradients_in_node = False
+    #: ``reduce`` runs over a set of nodes that changes between steps (fault-tolerant replica groups): its
+    #: exchange between nodes needs no fixed peers (allreduce, allgather, alltoall over whoever is there) and
+    #: its state names none, so a frontend may run it over torchft's reconfigured groups
+    elastic_nodes = False
     #: state fields that are each worker's own, not the same on every worker (an error-feedback residual):
     #: a worker that heals from a peer starts them afresh (zeros) instead of copying the peer's, which the
     #: peer still holds and would send again

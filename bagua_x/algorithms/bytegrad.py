@@ -101,6 +101,7 @@ class ByteGrad(NodeAware, Algorithm):
     hierarchical: Optional[bool] = None
     donates_input = True  # the result is written over the bucket where arrays are mutable
     uses_kernels = True
+    elastic_nodes = True  # any number of nodes: what crosses them is an average (or a gather) over those there
 
     def alignment(self, world_size):
         return world_size

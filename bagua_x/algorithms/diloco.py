@@ -94,6 +94,7 @@ class DiLoCo(Algorithm):
     state_follows_form = True  # the global copy and momentum are a worker's: a rank's or a node's
     averages_gradients_in_node = True
     own_state = frozenset({"error"})  # what this worker has not sent yet
+    elastic_nodes = True  # any number of nodes: what crosses them is an average (or a gather) over those there
     timed_form = False  # a worker is a rank or a node: two algorithms, not two speeds of one
 
     def __post_init__(self):

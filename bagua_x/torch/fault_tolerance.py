@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import io
 import logging
 import os
 import socket
@@ -47,7 +48,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions, BroadcastOptions
 
-from ..algorithms import ByteGrad, DiLoCo, GradientAllReduce
 from ..algorithms.base import Algorithm
 from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
@@ -57,9 +57,6 @@ from .store import restart_count
 __all__ = ["FaultTolerance", "Replicas", "ReplicaCommunicator", "ReplicaGroups"]
 
 log = logging.getLogger(__name__)
-
-#: what runs over replica groups: the algorithms whose exchange between nodes is all torchft's group needs
-SUPPORTED = (GradientAllReduce, ByteGrad, DiLoCo)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,9 +133,12 @@ def _check_lighthouse(settings: FaultTolerance, node_group: dist.ProcessGroup) -
                                "(TORCHFT_LIGHTHOUSE=http://host:port)"]
                     break
                 time.sleep(0.5)
-    dist.broadcast_object_list(problem, src=first, group=node_group)
-    if problem[0]:
-        raise BaguaXError(problem[0])
+    failed = torch.tensor([int(problem[0] is not None)])
+    dist.broadcast(failed, src=first, group=node_group)
+    if failed.item():
+        raise BaguaXError(problem[0] or f"bagua_x: fault tolerance: the lighthouse {settings.lighthouse!r} cannot "
+                          "be reached from this node (its first rank says why); start it first and give every rank "
+                          "its address (TORCHFT_LIGHTHOUSE=http://host:port)")
 
 
 def _manager_store(settings: FaultTolerance, node_group: dist.ProcessGroup):
@@ -149,13 +149,13 @@ def _manager_store(settings: FaultTolerance, node_group: dist.ProcessGroup):
     the node's reachable address (torchft's groups between nodes meet in the first member's store).
     """
     first = dist.get_global_rank(node_group, 0)
-    store, port = None, [None]
+    store, port = None, torch.zeros(1, dtype=torch.int64)
     if dist.get_rank() == first:
         store = dist.TCPStore(host_name=settings.address, port=0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=settings.timeout))
-        port = [store.port]
-    dist.broadcast_object_list(port, src=first, group=node_group)
-    return store, port[0]
+        port[0] = store.port
+    dist.broadcast(port, src=first, group=node_group)
+    return store, int(port.item())
 
 
 def check_supported(algorithm: Algorithm, optimizer: Optional[torch.optim.Optimizer]) -> Algorithm:
@@ -164,17 +164,17 @@ def check_supported(algorithm: Algorithm, optimizer: Optional[torch.optim.Optimi
         raise BaguaXError("fault_tolerance needs the optimizer: wrap(model, optimizer, ..., fault_tolerance=...): "
                           "a step that some node could not complete must not be applied, and a healing node "
                           "takes the optimizer's state too")
-    if not isinstance(algorithm, SUPPORTED):
-        names = ", ".join(a.__name__ for a in SUPPORTED)
-        raise BaguaXError(f"fault_tolerance supports {names} (and SparseLoCo, a DiLoCo), not "
-                          f"{type(algorithm).__name__}: use one of them, or train {type(algorithm).__name__} "
-                          "without fault_tolerance")
-    if isinstance(algorithm, DiLoCo) and algorithm.fragment_sync_delay:
-        raise BaguaXError("fault_tolerance with DiLoCo(fragment_sync_delay > 0) is not supported: an exchange left "
-                          "in flight across steps cannot be committed or discarded with its step; use "
-                          "fragment_sync_delay=0 (fragments are fine)")
-    if algorithm.hierarchical is not True:
-        log.info("bagua_x: fault tolerance: a node is one worker, so %s runs over nodes", type(algorithm).__name__)
+    name = type(algorithm).__name__
+    if not algorithm.elastic_nodes:
+        raise BaguaXError(f"fault_tolerance runs algorithms that declare elastic_nodes (GradientAllReduce, ByteGrad, "
+                          f"DiLoCo, SparseLoCo), not {name}, whose exchange needs a fixed set of peers: use one of "
+                          f"them, or train {name} without fault_tolerance")
+    if algorithm.exchange_lag:
+        raise BaguaXError(f"fault_tolerance with {name}'s exchange left in flight across steps (exchange_lag "
+                          f"{algorithm.exchange_lag}: DiLoCo's fragment_sync_delay) is not supported: it could not be "
+                          "committed or discarded with its step; use fragment_sync_delay=0 (fragments are fine)")
+    if "hierarchical" in {f.name for f in dataclasses.fields(algorithm)} and algorithm.hierarchical is not True:
+        log.info("bagua_x: fault tolerance: a node is one worker, so %s runs over nodes", name)
         algorithm = dataclasses.replace(algorithm, hierarchical=True)
     return algorithm
 
@@ -269,11 +269,20 @@ class Replicas:
         if not flag.item():
             return
         first = dist.get_global_rank(self.node_group, 0)
-        state = [{key: save() for key, (save, _) in self._kept.items()} if dist.get_rank() == first else None]
-        dist.broadcast_object_list(state, src=first, group=self.node_group)
+        data, size = torch.zeros(0, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
+        if dist.get_rank() == first:
+            buffer = io.BytesIO()
+            torch.save({key: save() for key, (save, _) in self._kept.items()}, buffer)
+            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            size[0] = data.numel()
+        dist.broadcast(size, src=first, group=self.node_group)
         if dist.get_rank() != first:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(data, src=first, group=self.node_group)
+        if dist.get_rank() != first:  # tensors and plain containers only (weights_only): nothing else is run
+            state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
             for key, (_, load) in self._kept.items():
-                load(state[0][key])
+                load(state[key])
 
     def commit(self) -> bool:
         """Whether every member of the quorum completed the step begun (the caller applies it, or discards it)."""

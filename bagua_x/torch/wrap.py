@@ -72,15 +72,16 @@ class DistributedModel(torch.nn.Module):
         self.timeout = resolve_timeout(timeout, process_group)
         # a group of the same ranks for this wrapper alone: every collective below, and the communication
         # thread's, never pairs with the user's or another wrapper's on the same group
-        group = private_group(process_group, self.timeout)
         #: fault_tolerance's torchft protocol (None without it); ``replicas.manager`` is torchft's Manager
         self.replicas: Optional[Replicas] = None
         if fault_tolerance is None:
-            self.comm = TorchCommunicator(group, timeout=self.timeout)
+            self.comm = TorchCommunicator(private_group(process_group, self.timeout), timeout=self.timeout)
         else:  # this process group is one node; between nodes torchft's (see .fault_tolerance)
-            self.replicas = Replicas(fault_tolerance.resolved(), group)
-            node = TorchCommunicator(private_group(group, self.timeout), timeout=self.timeout)
-            self.comm = ReplicaGroups(group, self.timeout, node, self.replicas)
+            node_group = private_group(process_group, self.timeout)
+            self.replicas = Replicas(fault_tolerance.resolved(), node_group)
+            node = TorchCommunicator(private_group(node_group, self.timeout), timeout=self.timeout)
+            self.comm = ReplicaGroups(node_group, self.timeout, node, self.replicas)
+        group = self.comm.group
         check_one_gpu_per_rank(model_device(module), group, self.timeout)
         if fault_tolerance is None:
             # before any other collective: a rank with another setting or node layout fails here with the rest

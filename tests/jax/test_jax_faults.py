@@ -99,7 +99,9 @@ def test_survivor_reports_the_dead_process_and_exits():
     report = re.search(r"step 6 (has not finished after|failed on process 0).*", log0)
     assert report, log0[-3000:]
     assert "processes that never arrived at step 6: [1]" in report.group(0)
-    assert "process 0: 6, process 1: 5" in report.group(0)
+    # each process publishes its step from a thread of its own, so the dead one's last step may not have landed
+    # before it died: it entered step 5, and step 4 is published at the latest (entering step k says k - 1 ended)
+    assert re.search(r"process 0: 6, process 1: [45]\b", report.group(0)), report.group(0)
     print(report.group(1))
     waited = end0 - death_time(log1)
     print(f"survivor exited {waited:.1f} s after its peer died (timeout {TIMEOUT} s)")
