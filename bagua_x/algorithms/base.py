@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Hashable, NamedTuple, Optional
 
 import array_api_compat
 
@@ -179,6 +179,18 @@ class Algorithm:
         """
         return True
 
+    def branch_key(self, step: int) -> Optional[Hashable]:
+        """What decides every ``comm.switch`` index at step counter ``step`` (``state.step``, on the host), or
+        None where nothing does (no switch, or one that does not depend on the step alone).
+
+        Steps with the same key take the same branches, so a frontend that compiles the step
+        (JAX, through ``dp.step``) compiles one program per key, with one branch each, instead of all
+        branches behind a traced switch: it reads ``state.step`` on the host and hands a step of that key to
+        :meth:`~bagua_x.core.comm.Communicator.counter`, from which the algorithm computes its indices
+        (``tests/algorithms/test_branch_key.py`` checks each algorithm's key against its switches).
+        """
+        return None
+
     def alignment(self, world_size: int) -> int:
         """Bucket buffers are padded to a multiple of this many elements."""
         return 1
@@ -249,7 +261,8 @@ def counter(xp) -> Any:
 
 
 def every(comm, step, interval: int, fn, operand):
-    """``fn(operand)`` when ``step % interval == 0``, else ``operand`` unchanged."""
+    """``fn(operand)`` when ``step % interval == 0``, else ``operand`` unchanged (``step``: from
+    ``comm.counter``, so it may be the host's)."""
     if interval == 1:
         return fn(operand)
     xp = namespace(step)

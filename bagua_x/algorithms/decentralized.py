@@ -113,4 +113,10 @@ class Decentralized(NodeAware, Algorithm):
             communicate = lambda x: over_nodes(x, comm, exchange)  # noqa: E731
         else:
             communicate = lambda x: exchange(x, comm)  # noqa: E731
-        return every(comm, step, self.communication_interval, communicate, flat), DecentralizedState(step=step + 1)
+        return (every(comm, comm.counter(step), self.communication_interval, communicate, flat),
+                DecentralizedState(step=step + 1))
+
+    def branch_key(self, step):
+        """Whether the step communicates; which peer a ``shift_one`` step pairs with stays traced (one program
+        per peer would be compiled for as many peers as there are ranks)."""
+        return step % self.communication_interval == 0

@@ -40,6 +40,7 @@ import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import array_api_compat
+import numpy as np
 
 from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
@@ -163,7 +164,12 @@ class DiLoCo(Algorithm):
 
     def communicates(self, state) -> bool:
         """Only at the steps a fragment is sent (``fragment_sync_delay`` 0: sent and landed)."""
-        return int(self._due(namespace(state.step), state.step + 1, 0)) != self.fragments
+        return int(self._due(state.step + 1, 0)) != self.fragments
+
+    def branch_key(self, step):
+        """The fragment that lands and the one that launches at this step (P: none)."""
+        step = np.asarray(step + 1, np.int32)
+        return int(self._due(step, self.fragment_sync_delay)), int(self._due(step, 0))
 
     @property
     def exchange_lag(self) -> int:
@@ -171,41 +177,42 @@ class DiLoCo(Algorithm):
         return self.fragment_sync_delay
 
     def reduce(self, flat, layout, state, comm):
-        if self.fragment_sync_delay:
+        if self.fragment_sync_delay:  # the due fragment from the counter as passed in (comm.counter knows it)
+            due = self._due(comm.counter(state.step) + 1, 0)
             flat, state = self.apply(flat, layout, state, comm)
-            return flat, self.exchange(flat, layout, state, comm)
-        xp = namespace(flat)
-        step = state.step + 1
+            return flat, self._launch_due(flat, state, comm, due)
         branches = [self._sync_now(a, b, comm, hierarchical(self.hierarchical, comm))
                     for a, b in self.fragment_bounds(flat.shape[0])]
-        flat, *rest = comm.switch(self._due(xp, step, 0), branches + [_unchanged], (flat, *state[1:]))
-        return flat, DiLoCoState(step, *rest)
+        flat, *rest = comm.switch(self._due(comm.counter(state.step) + 1, 0), branches + [_unchanged],
+                                  (flat, *state[1:]))
+        return flat, DiLoCoState(state.step + 1, *rest)
 
     def apply(self, flat, layout, state, comm):
         """tau > 0: the step advances and the fragment launched tau steps ago lands (no collective).  The
         fragment launching at this step (:meth:`exchange`) is another one: ``tau < H / P``."""
-        xp = namespace(flat)
-        step = state.step + 1
         branches = [self._land(a, b) for a, b in self.fragment_bounds(flat.shape[0])]
-        flat, *rest = comm.switch(self._due(xp, step, self.fragment_sync_delay), branches + [_unchanged],
-                                  (flat, *state[1:]))
-        return flat, DiLoCoState(step, *rest)
+        flat, *rest = comm.switch(self._due(comm.counter(state.step) + 1, self.fragment_sync_delay),
+                                  branches + [_unchanged], (flat, *state[1:]))
+        return flat, DiLoCoState(state.step + 1, *rest)
 
     def exchange(self, flat, layout, state, comm):
         """tau > 0, after :meth:`apply` (``state.step`` is this step): the fragment due launches, its averaged
         pseudo-gradient kept in ``pending`` until it lands (and, compressed, what it did not send in ``error``)."""
-        xp = namespace(flat)
+        return self._launch_due(flat, state, comm, self._due(comm.counter(state.step), 0))
+
+    def _launch_due(self, flat, state, comm, due):
+        """:meth:`exchange` of fragment ``due`` (P: none)."""
         two_level = hierarchical(self.hierarchical, comm)
         branches = [self._launch(a, b, comm, two_level) for a, b in self.fragment_bounds(flat.shape[0])]
-        _, _, _, pending, error = comm.switch(self._due(xp, state.step, 0), branches + [_unchanged],
-                                              (flat, *state[1:]))
+        _, _, _, pending, error = comm.switch(due, branches + [_unchanged], (flat, *state[1:]))
         return state._replace(pending=pending, error=error)
 
-    def _due(self, xp, step, delay: int):
-        """The fragment launched ``delay`` steps before ``step`` (a traced int32), or P where none was.
+    def _due(self, step, delay: int):
+        """The fragment launched ``delay`` steps before ``step`` (an int32 counter), or P where none was.
 
-        On the step counter's device (the host, ``base.counter``), not the bucket's: it is ``comm.switch``'s
-        index, which a frontend reads on the host."""
+        In the counter's namespace and on its device (the host, ``base.counter``), not the bucket's: it is
+        ``comm.switch``'s index, which a frontend reads on the host."""
+        xp = namespace(step)
         due = xp.asarray(self.fragments, dtype=xp.int32)
         for i, o in enumerate(self.offsets()):
             since = step - o - delay  # >= 0: launched at least once

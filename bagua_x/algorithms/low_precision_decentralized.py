@@ -91,6 +91,9 @@ class LowPrecisionDecentralized(NodeAware, Algorithm):
         neighbours = 1 if world_size == 2 else 2  # uint8 differences to each neighbour (one on a ring of two)
         return neighbours * (layout.padded_numel + 8) / self.communication_interval
 
+    def branch_key(self, step):
+        return step % self.communication_interval == 0
+
     def reduce(self, flat, layout, state, comm):
         xp = namespace(flat)
         step = self._over_nodes if self.two_level(comm) else self._flat
@@ -101,7 +104,7 @@ class LowPrecisionDecentralized(NodeAware, Algorithm):
             return x, x, left, right
 
         carry = (xp.astype(flat, xp.float32, copy=False), state.w, state.left, state.right)
-        x, w, left, right = every(comm, state.step, self.communication_interval, communicate, carry)
+        x, w, left, right = every(comm, comm.counter(state.step), self.communication_interval, communicate, carry)
         new_state = LowPrecisionDecentralizedState(step=state.step + 1, w=w, left=left, right=right)
         return xp.astype(x, flat.dtype), new_state
 

@@ -40,10 +40,13 @@ class ModelAverage(Algorithm):
     def wire_bytes(self, layout, itemsize, world_size):
         return ring_allreduce_bytes(layout.padded_numel, itemsize, world_size) / self.period
 
+    def branch_key(self, step):
+        return (step + 1) % self.period == 0
+
     def reduce(self, flat, layout, state, comm):
-        step = state.step + 1  # average after steps period, 2*period, ...
-        x = every(comm, step, self.period, lambda y: comm.allreduce(y, ReduceOp.AVG), flat)
-        return x, ModelAverageState(step=step)
+        # average after steps period, 2*period, ...
+        x = every(comm, comm.counter(state.step) + 1, self.period, lambda y: comm.allreduce(y, ReduceOp.AVG), flat)
+        return x, ModelAverageState(step=state.step + 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,6 +173,9 @@ class PowerSGD(Algorithm):
             plain.append((layout.numel, layout.padded_numel - layout.numel))
         return matrices, plain
 
+    def branch_key(self, step):
+        return step >= self.start_powerSGD_iter
+
     def init(self, flat, layout, world_size):
         xp = namespace(flat)
         matrices, _ = self._plan(layout)
@@ -236,7 +239,8 @@ class PowerSGD(Algorithm):
                 e = xp.concat([fed_back[o] - pieces[o] for o in offsets])
             return out, q, e
 
-        compressing = xp.astype(state.step >= self.start_powerSGD_iter, xp.int32)
+        host = comm.counter(state.step)  # for the branch only: the seed reads the traced counter
+        compressing = namespace(host).astype(host >= self.start_powerSGD_iter, namespace(host).int32)
         out, q, e = comm.switch(compressing, [allreduce, compress], (flat, state.q, state.error))
         return out, PowerSGDState(step=state.step + 1, q=q, error=e)
 

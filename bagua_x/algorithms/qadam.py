@@ -123,6 +123,9 @@ class QAdam(NodeAware, Algorithm):
         """Whether 1-based step ``step`` communicates gradients (True) or momentum."""
         return step <= self.warmup_steps
 
+    def branch_key(self, step):
+        return not self.is_warmup(step + 1)
+
     def init(self, flat, layout, world_size):
         xp = namespace(flat)
         return QAdamState(step=counter(xp), m=xp.zeros_like(flat), v=xp.zeros_like(flat))
@@ -149,7 +152,8 @@ class QAdam(NodeAware, Algorithm):
             m, v, g = carry
             return self.reduce(momentum_update(m, g, b1), layout, EmptyState(), comm)[0], v, g
 
-        after = xp.astype(t > self.warmup_steps, xp.int32)
+        host = comm.counter(state.step)  # for the branch only: t is the traced counter
+        after = namespace(host).astype(host + 1 > self.warmup_steps, namespace(host).int32)
         m, v, _ = comm.switch(after, [warmup, compressed], (state.m, state.v, g))
         update = adam_direction(m, v, t, self.lr, b1, b2, self.eps)
         return update, QAdamState(step=t, m=m, v=v)

@@ -9,17 +9,14 @@ predicts it, so a frontend times both.
 The two forms run different collectives, so every rank must take the same
 branch: each rank times both, the times are replaced by their maximum over
 ranks (``slowest``, a collective: every rank gets the same numbers) and every
-rank compares the same two numbers.  A round starts on every rank together
-(``slowest`` of nothing, untimed), so a rank that finished its last round late
-does not make the others wait inside their next timed one.
+rank compares the same two numbers.
 
-Two ways to time: :func:`choose_form` runs one reduce of every bucket in each
-form, on copies (JAX, at ``wrap``: nothing of training changes);
-:class:`StepTrial` times the first training steps themselves in each form
-(torch; JAX through ``dp.step``, after the reduce timing at ``wrap``).  A
-reduce alone misses what a form costs the rest of the step: on CPU nodes,
-LowPrecisionDecentralized over nodes reduced faster alone and made whole steps
-slower (the in-node stages compete with compute for the cores).
+What is timed is whole training steps (:class:`StepTrial`, both frontends;
+JAX through ``dp.step``): a reduce timed alone misses what a form costs the
+rest of the step.  On CPU nodes LowPrecisionDecentralized over nodes reduced
+faster alone and made whole steps slower (the in-node stages compete with
+compute for the cores), and a wrap-time reduce timing chose the slower form
+in 7 of 8 measured cells, so there is none.
 
 A :class:`StepTrial` given the decisions recorded for this topology by
 earlier jobs (:mod:`.form_cache`) first checks them instead: it runs a block
@@ -32,14 +29,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-import time
 from typing import Callable, Optional, Sequence
 
-__all__ = ["FormChoice", "choose_form", "ROUNDS", "FITS", "StepTrial"]
+__all__ = ["FormChoice", "FITS", "StepTrial"]
 
 log = logging.getLogger(__name__)
 
-ROUNDS = 3  # timed rounds per form, after one warm-up round of each (compiles kernels, opens connections)
 FITS = 0.25  # a recorded decision holds while a step in its form takes within 25 % of the recorded time
 
 
@@ -53,28 +48,6 @@ class FormChoice:
 
     def seconds(self, two_level: bool) -> float:
         return self.two_level_seconds if two_level else self.flat_seconds
-
-
-def choose_form(run: Callable[[bool], None], slowest: Callable[[Sequence[float]], Sequence[float]],
-                what: str) -> FormChoice:
-    """Time ``run(two_level)`` (one reduce of every bucket in that form, finished on return) in both forms.
-
-    ``slowest(values)`` is a collective returning each value's maximum over
-    ranks.  Rounds alternate the forms, so a load that comes and goes slows
-    both alike; each form's time is its median over :data:`ROUNDS` rounds.  The
-    form with the smaller time wins (flat on a tie: it needs no node groups).
-    Logs the decision and both times at INFO, naming ``what``.
-    """
-    run(False)
-    run(True)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(ROUNDS):
-        for two_level in (False, True):
-            slowest([0.0])  # every rank starts the round together
-            start = time.perf_counter()
-            run(two_level)
-            times[two_level].append(time.perf_counter() - start)
-    return _decide(times, slowest, what, "one reduce of every bucket", f"{ROUNDS} rounds")
 
 
 def _decide(times: dict[bool, list[float]], slowest: Callable[[Sequence[float]], Sequence[float]], what: str,
@@ -158,7 +131,7 @@ class StepTrial:
         self._started = now
 
     def choose(self, slowest: Callable[[Sequence[float]], Sequence[float]], what: str) -> Optional[FormChoice]:
-        """The faster form by the slowest rank's median step (collective, as :func:`choose_form`), logged; while
+        """The faster form by the slowest rank's median step (collective: every rank takes the same form), logged; while
         checking known decisions, the one that fits, or None (then the plan goes on: both forms are timed)."""
         if not self.known:
             return _decide(self.times, slowest, what, "a training step", f"{len(self.times[False])} steps each")

@@ -18,6 +18,9 @@ runs on both:
   collective: the one piece of control flow whose form depends on the engine
   (``lax.switch`` when ``index`` is traced, plain Python elsewhere), needed by
   algorithms that act only every k-th step or rotate peers.
+* ``counter(step)`` -> the host's value of a state's step counter where the
+  frontend knows it (JAX through ``dp.step``), else ``step``: an index computed
+  from it is a plain int, so ``switch`` compiles one branch.
 
 Optional features are declared in ``features`` (a frozenset of
 :class:`Feature`), never probed: an algorithm asks ``Feature.HIERARCHICAL in
@@ -93,3 +96,13 @@ class Communicator(Protocol):
         step or rotates peers.  Not a collective; ``lax.switch`` where ``index`` is traced (every branch is
         traced, so each must return the same shapes and dtypes), a plain call elsewhere.  Every rank must
         take the same branch, or pair its collectives with another's."""
+
+    def counter(self, step):
+        """``step`` (a state's step counter, as the state holds it), or the host's value of it where the
+        frontend knows it: a NumPy integer, for which an index computed in its namespace is concrete and
+        :meth:`switch` runs one branch, so a compiled step holds one.
+
+        Only for :meth:`switch`'s index: the frontend may give any step with the same
+        :meth:`~bagua_x.algorithms.Algorithm.branch_key` (one compiled program serves them all), so a value
+        read here must not reach the arithmetic (a bias correction, a seed).  Torch's counters live on the
+        host already: its communicators return ``step``."""

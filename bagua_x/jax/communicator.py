@@ -8,6 +8,7 @@ algorithms in :mod:`bagua_x.algorithms` run on it unchanged, on traced arrays.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import operator
@@ -16,6 +17,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ..core.comm import Feature, ReduceOp
@@ -65,6 +67,8 @@ class AxisCommunicator:
     axes (ranks node-major), and with >= 2 nodes ``within`` is the "local"
     axis and ``across`` the "node" axis, plain collectives under ``shard_map``.
     """
+
+    _known: Optional[tuple] = None  # (traced counter, host value): see counter()
 
     def __init__(self, axis_name: Hashable = "batch", local_size: Optional[int] = None):
         self.axis_name = axis_name
@@ -179,11 +183,25 @@ class AxisCommunicator:
         return lax.ppermute(x, self.axis_name, perm=[(g[int(s)], g[int(d)]) for g in groups for s, d in pairs])
 
     def switch(self, index, branches: Sequence[Callable[[Any], Any]], operand):
-        """Inside a typed ``shard_map`` the branches' results are all typed per device: one branch's may come
-        out of a collective (the same on every device) and another's not, and ``lax.switch`` wants one type."""
-        if isinstance(index, int):
-            return branches[index](operand)
+        """A host index (from :meth:`counter`) runs its branch alone.  Inside a typed ``shard_map`` the branches'
+        results are all typed per device: one branch's may come out of a collective (the same on every
+        device) and another's not, and ``lax.switch`` wants one type."""
+        if isinstance(index, (int, np.integer, np.ndarray)):
+            return branches[int(index)](operand)
         return lax.switch(index, [lambda o, b=b: per_device(b(o), self.axis_name) for b in branches], operand)
+
+    def counter(self, step):
+        """The host's value of the bucket's step counter where :meth:`knowing` named it, else ``step``
+        (traced).  Matched by identity: a value computed from the counter is not the counter."""
+        if self._known is not None and step is self._known[0]:
+            return np.asarray(self._known[1], np.int32)
+        return step
+
+    def knowing(self, step, value: int) -> "AxisCommunicator":
+        """A copy whose :meth:`counter` answers ``value`` (a step of the same branch key) for the traced ``step``."""
+        known = copy.copy(self)
+        known._known = (step, value)
+        return known
 
     def node_problem(self) -> Optional[str]:
         """Why this axis has no node groups to offer, or None (it has them, or it is one node: nothing to group)."""

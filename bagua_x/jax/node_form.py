@@ -1,43 +1,23 @@
-"""``hierarchical=None`` on >= 2 nodes of >= 2 devices: flat or over nodes, chosen by timing both.
+"""``hierarchical=None`` on >= 2 nodes of >= 2 devices: flat or over nodes, decided by whole training steps.
 
-Two timings, as in torch (:mod:`~bagua_x.core.autotune`):
+No step can tell which form is faster from a reduce alone (LowPrecisionDecentralized on CPU nodes reduced
+faster over nodes and trained faster flat), so the form is decided by the first 12 training steps through
+:meth:`DataParallel.step <bagua_x.jax.wrap.DataParallel.step>` (:class:`StepForms`: the trial of
+:class:`~bagua_x.core.autotune.StepTrial`, the same as torch's).  Until then, and in a step not run
+through ``dp.step`` (bagua_x never sees that loop), the step runs flat; ``wrap`` logs it.
 
-* At ``wrap`` (every process calls it), both forms of the algorithm's
-  ``reduce`` are compiled under ``pmap`` over all devices -- the axis and node
-  groups of a pmapped step -- on zero buckets of the real shapes and dtypes
-  with throwaway state from ``init``, timed, and every process takes the form
-  the slowest device's times favour (:func:`~bagua_x.core.autotune.choose_form`).
-  That is the form ``init`` puts in the state.
-* Through :meth:`DataParallel.step <bagua_x.jax.wrap.DataParallel.step>`
-  (:class:`StepForms`), the first 12 training steps are a trial of whole
-  steps in each form (:class:`~bagua_x.core.autotune.StepTrial`), which decides
-  in place of the reduce timing: a reduce alone misses what a form costs the
-  rest of the step (LowPrecisionDecentralized on CPU nodes reduced faster over
-  nodes alone and trained faster flat).  Without ``dp.step`` bagua_x never sees
-  the step loop, so the reduce timing stands.
-
-The form is a leaf of each bucket's state: where it is measured, a bucket's
-state is a :class:`MeasuredState` (an int32 code and the algorithm's state;
-static, the wrap whose trial may switch it), and the step runs the form the
-code names (:func:`run_in_form`: ``lax.switch`` between the two forms, both
-compiled into the step), so a
-trial switches forms by changing a leaf of the step's input, with no new
-compile.  The code also says whether a trial may still change the form
-(``UNDECIDED``: ``init``'s; a trial's decision clears it), so a state restored
-from a checkpoint taken after the decision runs its form, bitwise, whatever
-this process measured; one taken before is timed again.  Once decided,
-``dp.step`` passes the states on as :class:`DecidedState`, whose form is in
-the tree's structure: the step is compiled once more with that form alone,
-as fast as a forced form (the switch costs fusion around it).  An algorithm whose
-state refers to the peers of one form (``state_follows_form``:
-LowPrecisionDecentralized's neighbour estimates are of devices in one form and
-of nodes in the other) is restarted at a switch (``RESTART``, cleared by the
-step): the weights become the devices' average and the state starts afresh
-from them, as at ``init``; whether a step restarts is read from the code of
-the state passed in (the form it last ran in), so a call that raised or held
-no state (an evaluation through ``dp.step``) loses no restart.  Under
-``shard_map`` there are no node groups: the code is carried, the step runs
-flat and ``dp.step`` runs no trial.
+Each bucket's state is a :class:`FormState`: the form the step runs is static, in the tree's structure,
+so a step is compiled with one form alone (no ``lax.switch`` between both: on GPU a conditional reads its
+predicate back to the host, and on the 2 x 2 CPU cluster a step holding both forms ran up to ~20 % slower
+than either alone).  A trial step compiles each form once.  Beside it, a code leaf says which form the
+state last ran in and whether a trial decided (``UNDECIDED``), so a checkpoint keeps the decision:
+``dp.step`` reads a restored state's code on the host and runs the form it names without a new trial;
+one taken during a trial is timed again.  An algorithm whose state refers to the peers of one form
+(``state_follows_form``: LowPrecisionDecentralized's neighbour estimates are of devices in one form and
+of nodes in the other) restarts where the code's form is not the one the step runs: the weights become
+the devices' average and the state starts afresh from them, as at ``init``.  That test is the one
+conditional left in its step, so a restored state can never run against peers it does not describe.
+Under ``shard_map`` there are no node groups: the step runs flat and ``dp.step`` runs no trial.
 """
 
 from __future__ import annotations
@@ -57,86 +37,60 @@ from .. import __version__
 from ..algorithms import Algorithm
 from ..algorithms.base import initial_state
 from ..core import form_cache
-from ..core.autotune import StepTrial, choose_form
+from ..core.autotune import StepTrial
 from ..core.bucket import BucketLayout
 from ..core.comm import Feature, ReduceOp
 from .communicator import AxisCommunicator
+from .schedule import Scheduled, read_ints, run_scheduled
 
-__all__ = ["DecidedState", "MeasuredState", "StepForms", "form_topology", "measured_form", "run_in_form", "storable", "with_form",
-           "OVER_NODES", "UNDECIDED", "RESTART"]
+__all__ = ["FormState", "StepForms", "decided_by_trial", "form_topology", "run_in_form", "storable", "with_form",
+           "OVER_NODES", "UNDECIDED"]
 
 log = logging.getLogger(__name__)
 
-OVER_NODES = 1  # bit of MeasuredState.hierarchical: the form the step runs (0: flat)
-UNDECIDED = 2  # bit: the form comes from the reduce timing at wrap; a trial of steps (dp.step) may change it
-RESTART = 4  # bit: average the weights and restart the state before this step (a switch; the step clears it)
+OVER_NODES = 1  # bit of FormState.hierarchical: the form the state last ran in (0: flat)
+UNDECIDED = 2  # bit: no trial has decided the form yet; dp.step's trial will
 
 
 @jax.tree_util.register_pytree_with_keys_class
-class MeasuredState:
-    """A bucket's state where the form is measured: the form's code as a leaf, so a checkpoint keeps it.
+class FormState:
+    """A bucket's state where ``dp.step``'s trial decides the form: the algorithm's state and a code leaf.
 
-    ``owner`` (static, in the tree's structure) names the wrap whose trial
-    may switch it (:attr:`StepForms.owner`): the states of two wraps may go
-    through one ``dp.step``, and each wrap's trial switches its own only.
+    Static (in the tree's structure): ``over_nodes``, the form the step runs, and ``owner``, the wrap whose
+    trial may set it (:attr:`StepForms.owner`: the states of two wraps may go through one ``dp.step``, and
+    each wrap's trial sets its own only).  The leaf ``hierarchical`` is the code (``OVER_NODES`` of the
+    form last run, ``UNDECIDED``), which a checkpoint keeps.
     """
 
-    def __init__(self, hierarchical: Any, state: Any, owner: int):
-        self.hierarchical, self.state, self.owner = hierarchical, state, owner
+    def __init__(self, hierarchical: Any, state: Any, owner: int, over_nodes: bool = False):
+        self.hierarchical, self.state, self.owner, self.over_nodes = hierarchical, state, owner, bool(over_nodes)
 
     def __repr__(self) -> str:
-        return f"MeasuredState(hierarchical={self.hierarchical!r}, state={self.state!r}, owner={self.owner})"
+        return (f"FormState(hierarchical={self.hierarchical!r}, state={self.state!r}, owner={self.owner}, "
+                f"over_nodes={self.over_nodes})")
 
     def tree_flatten_with_keys(self):
         keys = jax.tree_util.GetAttrKey
-        return ((keys("hierarchical"), self.hierarchical), (keys("state"), self.state)), self.owner
+        return ((keys("hierarchical"), self.hierarchical), (keys("state"), self.state)), (self.owner, self.over_nodes)
 
     @classmethod
-    def tree_unflatten(cls, owner: int, children) -> "MeasuredState":
-        return cls(*children, owner)
+    def tree_unflatten(cls, static: tuple, children) -> "FormState":
+        return cls(*children, *static)
 
 
-@jax.tree_util.register_pytree_with_keys_class
-class DecidedState:
-    """A bucket's state once ``dp.step``'s trial has decided: the form is static (in the tree's structure).
-
-    So the step is compiled with that form alone, without ``lax.switch``
-    between both (on the 2 x 2 CPU cluster, a step holding both forms ran up
-    to ~20 % slower than either alone: the branches are not fused with the
-    packing around them).  Its leaves and their key paths are
-    :class:`MeasuredState`'s, the code decided, so a checkpoint of it restores
-    into ``init``'s state, and ``dp.step`` makes that static again.
-    """
-
-    def __init__(self, over_nodes: bool, hierarchical: Any, state: Any):
-        self.over_nodes, self.hierarchical, self.state = bool(over_nodes), hierarchical, state
-
-    def __repr__(self) -> str:
-        return f"DecidedState(over_nodes={self.over_nodes}, hierarchical={self.hierarchical!r}, state={self.state!r})"
-
-    def tree_flatten_with_keys(self):
-        keys = jax.tree_util.GetAttrKey
-        return ((keys("hierarchical"), self.hierarchical), (keys("state"), self.state)), self.over_nodes
-
-    @classmethod
-    def tree_unflatten(cls, over_nodes: bool, children) -> "DecidedState":
-        return cls(over_nodes, *children)
-
-
-def measured_form(algorithm: Algorithm, layouts: Sequence[BucketLayout], axis_name, world_size: int,
-                  local: int) -> Optional[bool]:
-    """The faster form (True: over nodes), or None where it is not measured here: the setting forces a
-    form, there is one node or one device per node, or ``world_size`` is not every device (the step's axis
-    is not the pmap over all devices, which is what can be timed)."""
+def decided_by_trial(algorithm: Algorithm, world_size: int, local: int) -> bool:
+    """Whether ``dp.step``'s trial decides the form: the setting leaves it open, there are >= 2 nodes of >= 2
+    devices, and ``world_size`` is every device (the trial's step is a pmap over all of them)."""
     if not (algorithm.timed_form and local >= 2 and world_size % local == 0 and world_size // local >= 2):
-        return None
+        return False
+    name = type(algorithm).__name__
     if world_size != jax.device_count():
-        log.info("bagua_x: %s is not timed flat against over nodes: world_size %d is not the %d devices a pmap "
-                 "over all of them has; it runs over nodes where the step has node groups",
-                 type(algorithm).__name__, world_size, jax.device_count())
-        return None
-    run = _timing(algorithm, layouts, axis_name, local)
-    return choose_form(run, slowest_over_devices(axis_name), type(algorithm).__name__).two_level
+        log.info("bagua_x: %s: world_size %d is not the %d devices a pmap over all of them has, so dp.step does "
+                 "not time flat against over nodes; it runs flat", name, world_size, jax.device_count())
+        return False
+    log.info("bagua_x: %s runs flat on %d nodes of %d devices until the first 12 steps through dp.step have timed "
+             "both forms; a step not run through dp.step stays flat", name, world_size // local, local)
+    return True
 
 
 def form_topology(algorithm: Algorithm, layouts: Sequence[BucketLayout], world_size: int, local: int) -> str:
@@ -148,45 +102,43 @@ def form_topology(algorithm: Algorithm, layouts: Sequence[BucketLayout], world_s
 
 
 def with_form(states: tuple, forms: Optional["StepForms"]) -> tuple:
-    """Bucket states with the form ``forms``' wrap measured beside them, undecided, owned by that wrap
-    (unchanged where no form was measured: ``forms`` None)."""
+    """Bucket states as :class:`FormState` of ``forms``' wrap, flat and undecided (unchanged where no trial
+    decides the form: ``forms`` None)."""
     if forms is None:
         return states
-    code = UNDECIDED | (OVER_NODES if forms.two_level else 0)
-    return tuple(MeasuredState(jnp.asarray(code, jnp.int32), st, forms.owner) for st in states)
+    return tuple(FormState(jnp.asarray(UNDECIDED, jnp.int32), st, forms.owner) for st in states)
 
 
 def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, comm: AxisCommunicator,
                 algorithm: Algorithm) -> tuple:
-    """``fn(*args, layout, state, comm)`` in the form a :class:`MeasuredState` names, switching on its code, or
-    a :class:`DecidedState` fixes (plainly for any other state).
+    """``fn(*args, layout, state, comm)``, in the form a :class:`FormState` fixes (plainly for any other state;
+    a :class:`~.schedule.Scheduled` one with its branches: :func:`~.schedule.run_scheduled`).
 
-    First, where the code asks for a restart (a switch of a ``state_follows_form`` algorithm, a weight
-    algorithm: ``args[0]`` is its weights), the weights become the average over the axis and the state
-    ``algorithm.init`` of them.
+    First, for an algorithm whose state follows the form (a weight algorithm: ``args[0]`` is its weights),
+    where the code's form is not the one run: the weights become the average over the axis and the state
+    ``algorithm.init`` of them (its branches then traced: that test is in the step, and its counter may be
+    ``init``'s).
     """
     flat = AxisCommunicator(comm.axis_name, comm.size)  # one node: no groups
     fn = functools.partial(_unstored, fn, algorithm)
-    if isinstance(state, DecidedState):
-        over_nodes = state.over_nodes and Feature.HIERARCHICAL in comm.features
-        out, inner = fn(*args, layout, state.state, comm if over_nodes else flat)
-        return out, DecidedState(state.over_nodes, state.hierarchical, inner)
-    if not isinstance(state, MeasuredState):
-        return fn(*args, layout, state, comm)
+    if not isinstance(state, FormState):
+        return run_scheduled(fn, args, layout, state, comm)
+    over_nodes = state.over_nodes and Feature.HIERARCHICAL in comm.features
     code, inner, args = state.hierarchical, state.state, tuple(args)
     if algorithm.state_follows_form:
-        def restart(operand):
-            (x, *rest), _ = operand
-            x = flat.allreduce(x, ReduceOp.AVG).astype(x.dtype)
-            return (x, *rest), storable(initial_state(algorithm, x, layout, comm.size))
+        if isinstance(inner, Scheduled):  # after the cond the counter may be init's: its branches are traced
+            inner = Scheduled(inner.state, inner.algorithm)
 
-        args, inner = lax.cond(code & RESTART != 0, restart, lambda operand: operand, (args, inner))
-    if Feature.HIERARCHICAL not in comm.features:  # shard_map, or the axis does not split into nodes: flat only
-        out, inner = fn(*args, layout, inner, comm)
-    else:
-        out, inner = comm.switch(code & OVER_NODES, [lambda a: fn(*a, layout, inner, flat),
-                                                     lambda a: fn(*a, layout, inner, comm)], args)
-    return out, MeasuredState(code & ~RESTART, inner, state.owner)
+        def restart(operand):
+            (x, *rest), st = operand
+            x = flat.allreduce(x, ReduceOp.AVG).astype(x.dtype)
+            fresh = storable(initial_state(algorithm, x, layout, comm.size))
+            return (x, *rest), Scheduled(fresh, algorithm) if isinstance(st, Scheduled) else fresh
+
+        args, inner = lax.cond(code & OVER_NODES != int(over_nodes), restart, lambda operand: operand,
+                               (args, inner))
+    out, inner = run_scheduled(fn, args, layout, inner, comm if over_nodes else flat)
+    return out, FormState((code & UNDECIDED) | int(over_nodes), inner, state.owner, state.over_nodes)
 
 
 def storable(state: Any) -> Any:
@@ -209,40 +161,33 @@ def _unstored(fn: Callable, algorithm: Algorithm, *args) -> tuple:
     return out, storable(state)
 
 
-_owners = itertools.count()  # StepForms.owner: one per wrap with a measured form, in this process
+_owners = itertools.count()  # StepForms.owner: one per wrap whose form a trial decides, in this process
 
 
 class StepForms:
     """``dp.step``'s trial: its first steps alternate the forms, timed, then every process keeps the faster.
 
-    The forms are switched by writing the code of the wrap's own measured
-    states (:class:`MeasuredState`) in the step's arguments
-    (:class:`~bagua_x.core.autotune.StepTrial`'s plan; with ``RESTART`` where
-    the algorithm's state follows the form and the plan's form is not the one
-    the state passed in last ran in, as its code says); the time of a step is
-    its call through ``dp.step``, which waits for its results (:meth:`before`,
-    the call, :meth:`after`).  A restart runs inside the step, at a block's
-    untimed first step (the plan's), so it is not timed.  Only a call whose
-    arguments hold the wrap's undecided states is a step of the trial, and
-    only once it has returned: a call without them (an evaluation) passes
-    through, and a call that raised is not counted, so the next call runs the
-    same planned step -- with its restart, since the state passed in says
-    which form it ran in.  The decision makes the states
-    :class:`DecidedState` (after one more switchable step where it restarts
-    the state).  No trial where the arguments hold a decided state (restored:
-    keep its form, static), or where the traced step has no node groups
-    (``shard_map``: it runs flat).  Another wrap's states pass through
-    unchanged: that wrap's own ``dp.step`` drives them.  With
-    ``BAGUA_X_FORM_CACHE`` set on process 0, the decisions recorded for
-    ``topology`` by earlier jobs are checked first
-    (:mod:`~bagua_x.core.form_cache`), and a new decision is recorded.
+    Before each call, the form of the step about to run is written into this wrap's :class:`FormState`
+    among the call's arguments (static: the call compiles that form alone, once per form); the time of a
+    step is its call through ``dp.step``, which waits for its results (:meth:`before`, the call,
+    :meth:`after`).  Only a call whose arguments hold the wrap's undecided states is a step of the trial,
+    and only once it has returned: a call without them (an evaluation) passes through, and a call that
+    raised is not counted, so the next call runs the same planned step.  A restart (a switch of a
+    ``state_follows_form`` algorithm) runs inside the step, from the code of the state passed in, at a
+    block's untimed first step.  The decision clears ``UNDECIDED`` from the codes; from then on the states
+    pass through unchanged, in the decided form.  No trial where the arguments hold a decided state
+    (restored: it runs the form its code names), or where the traced step has no node groups
+    (``shard_map``: it runs flat).  Another wrap's states pass through unchanged: that wrap's own
+    ``dp.step`` drives them.  With ``BAGUA_X_FORM_CACHE`` set on process 0, the decisions recorded for
+    ``topology`` by earlier jobs are checked first (:mod:`~bagua_x.core.form_cache`), and a new decision is
+    recorded.
     """
 
-    def __init__(self, algorithm: Algorithm, axis_name, two_level: bool, topology: str):
+    def __init__(self, algorithm: Algorithm, axis_name, topology: str):
         self.algorithm, self.axis_name, self.topology = algorithm, axis_name, topology
-        self.two_level = two_level  # the form timed at wrap, which init puts in the states
-        self.owner = next(_owners)  # the MeasuredState.owner of this wrap's states
-        self.done = False
+        self.owner = next(_owners)  # the FormState.owner of this wrap's states
+        self.done = False  # the states carry their form: nothing more to write
+        self._stopping = False  # the call under way is the last one written
         #: set while the step is traced: whether it holds both forms (node groups); None: not traced yet
         self.forms_in_step: Optional[bool] = None
         self._trial: Optional[StepTrial] = None  # made at the first trial step (reading the form cache)
@@ -251,9 +196,9 @@ class StepForms:
         self._told: set[str] = set()  # the notes logged once
 
     def before(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``args, kwargs`` with the form of the step about to run written into this wrap's measured states."""
-        name, tree, self._started = type(self.algorithm).__name__, (args, kwargs), None
-        states = [m for m in jax.tree.leaves(tree, is_leaf=_is_state) if isinstance(m, MeasuredState)]
+        """``args, kwargs`` with the form of the step about to run set in this wrap's states."""
+        name, tree, self._started, self._stopping = type(self.algorithm).__name__, (args, kwargs), None, False
+        states = [m for m in jax.tree.leaves(tree, is_leaf=_is_state) if isinstance(m, FormState)]
         mine = [m.hierarchical for m in states if m.owner == self.owner]
         if len(mine) < len(states):
             self._note("others", "bagua_x: %s: the arguments of dp.step's function also hold another wrap's bagua_x "
@@ -261,68 +206,64 @@ class StepForms:
                        "(dp_a.step(dp_b.step(fn)))", name)
         if not mine:
             self._note("none", "bagua_x: %s: a call through dp.step whose arguments hold no bagua_x state of this "
-                       "wrap is not a step of the trial of forms (a step that closes over its state keeps the form "
-                       "timed at wrap)", name)
+                       "wrap is not a step of the trial of forms (a step that closes over its state runs flat)",
+                       name)
             return args, kwargs
-        code = _read(mine[0])
-        if not code & UNDECIDED:  # decided: before this trial (a restored state), or by it after a restart
-            if self._form is None:
-                log.info("bagua_x: %s runs %s, as in the state passed to dp.step (decided before)", name,
-                         "over nodes" if code & OVER_NODES else "flat")
-            return self._stop(self._write(tree, code, static=True))
+        (code,) = read_ints(mine[:1])
+        if self._form is not None:  # decided by this trial, the call that runs it first not returned yet
+            return self._stop(self._write(tree, self._form, code=code & OVER_NODES))
+        if not code & UNDECIDED:  # decided before this trial: a restored state
+            self._note("restored", "bagua_x: %s runs %s, as in the state passed to dp.step (decided before)", name,
+                       "over nodes" if code & OVER_NODES else "flat")
+            return self._stop(self._write(tree, code & OVER_NODES))
         if self.forms_in_step is False:
-            log.info("bagua_x: %s runs flat: the step has no node groups (shard_map), so the forms are not timed",
-                     name)
+            self._note("flat", "bagua_x: %s runs flat: the step has no node groups (shard_map), so the forms are not "
+                       "timed", name)
             return self._stop(tree)
         if self._trial is None:
             self._slowest, first = slowest_over_devices(self.axis_name), jax.process_index() == 0
             self._trial = StepTrial(form_cache.share(form_cache.load(self.topology) if first else [], first,
                                                      self._slowest))
         planned = self._trial.form()
-        if planned is None and self._form is None:
+        if planned is None:
             checking = bool(self._trial.known)
             choice = self._trial.choose(self._slowest, name)
             if choice is None:  # the recorded decisions did not fit: both forms are timed
                 planned = self._trial.form()
             else:
-                self._form = int(choice.two_level)
                 if not checking and jax.process_index() == 0:
                     form_cache.record(self.topology, choice)
-        if planned is None:  # decided: the form alone, after one more switchable step where it restarts
-            if self._restarts(self._form, code):
-                return self._write(tree, self._form | RESTART)
-            return self._stop(self._write(tree, self._form, static=True))
-        form = int(planned)
-        tree = self._write(tree, UNDECIDED | form | (RESTART if self._restarts(form, code) else 0))
+                # decided: that form from now on, the code's form bit still the last run's (a restart reads it)
+                self._form = int(choice.two_level)
+                return self._stop(self._write(tree, self._form, code=code & OVER_NODES))
+        tree = self._write(tree, int(planned))
         self._started = time.perf_counter()
         return tree
 
     def after(self) -> None:
-        """The call started by the last :meth:`before` has returned, its results ready: a trial step is over."""
+        """The call started by the last :meth:`before` has returned, its results ready: a trial step is over
+        (or the first call in the form kept: then the states go on in it, and this wrap's trial is done)."""
+        self.done = self._stopping
         if self._started is not None and self._trial is not None:
             self._trial.begin(self._started)
             self._trial.end(time.perf_counter())
             self._started = None
 
-    def _restarts(self, form: int, code: int) -> bool:
-        """Whether running ``form`` on a state whose ``code`` says the form it ran in restarts the state."""
-        return self.algorithm.state_follows_form and form != code & OVER_NODES
-
-    def _write(self, tree, code: int, static: bool = False):
-        """``tree`` with this wrap's measured states' code set to ``code``, placed as the old one (no new compile);
-        with ``static``, as a :class:`DecidedState` of that form (compiled once more, with the form alone)."""
+    def _write(self, tree, form: int, code: Optional[int] = None):
+        """``tree`` with this wrap's states set to run ``form``; with ``code``, their code leaf written too,
+        placed as the old one."""
         def put(old):
+            if code is None:
+                return old
             value = np.full(np.shape(old), code, np.int32)
             if isinstance(old, jax.Array):
                 return jax.make_array_from_callback(old.shape, old.sharding, lambda index: value[index])
             return value
 
         def rewrite(m):
-            if not isinstance(m, MeasuredState) or m.owner != self.owner:
+            if not isinstance(m, FormState) or m.owner != self.owner:
                 return m
-            if static:
-                return DecidedState(bool(code & OVER_NODES), put(m.hierarchical), m.state)
-            return MeasuredState(put(m.hierarchical), m.state, m.owner)
+            return FormState(put(m.hierarchical), m.state, m.owner, bool(form))
 
         return jax.tree.map(rewrite, tree, is_leaf=_is_state)
 
@@ -333,19 +274,14 @@ class StepForms:
             log.info(message, *args)
 
     def _stop(self, tree: tuple) -> tuple[tuple, dict]:
-        self.done = True
+        """``tree``, the last written: once its call has returned (:meth:`after`), the states carry their form.
+        A call that raises is not over: the next call is written again."""
+        self._stopping = True
         return tree
 
 
 def _is_state(x) -> bool:
-    return isinstance(x, (MeasuredState, DecidedState))
-
-
-def _read(code) -> int:
-    """One device's value of a code leaf (a tiny transfer, allowed under a transfer guard)."""
-    with jax.transfer_guard("allow"):
-        shards = getattr(code, "addressable_shards", None)
-        return int(np.asarray(shards[0].data if shards else code).reshape(-1)[0])
+    return isinstance(x, FormState)
 
 
 def slowest_over_devices(axis_name) -> Callable[[Sequence[float]], list[float]]:
@@ -358,25 +294,3 @@ def slowest_over_devices(axis_name) -> Callable[[Sequence[float]], list[float]]:
         return np.asarray(out.addressable_shards[0].data).reshape(-1).tolist()
 
     return slowest
-
-
-def _timing(algorithm: Algorithm, layouts: Sequence[BucketLayout], axis_name, local: int) -> Callable[[bool], None]:
-    """``run(two_level)``, one reduce of every bucket in that form, for :func:`~bagua_x.core.autotune.choose_form`."""
-    devices, world = jax.local_device_count(), jax.device_count()
-    per_device = lambda a: np.broadcast_to(np.asarray(a), (devices, *np.shape(a)))  # noqa: E731
-    flats = [np.zeros((devices, lay.padded_numel), lay.dtype) for lay in layouts]
-    states = [jax.tree.map(per_device, initial_state(algorithm, jnp.zeros((lay.padded_numel,), lay.dtype), lay,
-                                                     world)) for lay in layouts]
-
-    def program(two_level: bool):
-        def body(flats, states):
-            comm = AxisCommunicator(axis_name, local if two_level else world)  # nodes of all devices: flat
-            return [algorithm.reduce(x, lay, st, comm)[0] for x, lay, st in zip(flats, layouts, states)]
-        return jax.pmap(body, axis_name=axis_name)
-
-    programs = {form: program(form) for form in (False, True)}
-
-    def run(two_level: bool) -> None:
-        jax.block_until_ready(programs[two_level](flats, states))
-
-    return run

@@ -41,10 +41,11 @@ from .checks import (FiniteCheck, check_leaf_dtype, check_registrable, check_sta
 from .communicator import AxisCommunicator, default_local_size
 from .distributed import check_same_across_processes, heartbeat_timeout
 from .mesh_step import Layout, axis_bound, per_device, shard_over, step_mesh
-from .node_form import StepForms, form_topology, measured_form, run_in_form, storable, with_form
-from .placement import check_mesh_axis, mesh_axis_size
+from .node_form import StepForms, decided_by_trial, form_topology, run_in_form, storable, with_form
+from .placement import check_mesh_axis, context_mesh, mesh_axis_size
 from .placement import replicate as _replicate
 from .placement import unreplicate as _unreplicate
+from .schedule import scheduled, with_keys
 from .watchdog import StepWatchdog
 
 __all__ = ["DataParallel", "wrap"]
@@ -148,14 +149,12 @@ class DataParallel:
                 f"bagua_x.jax.wrap: the params tree has no float leaf to communicate ({found}); wrap the tree of "
                 "trainable float parameters (flax: nnx.state(model, nnx.Param))"
             )
-        # hierarchical=None on nodes: flat or over nodes, timed here (every process wraps); None: not measured
-        # (a 2-D mesh's axes say where the nodes are: its two levels are not timed against flat)
+        # hierarchical=None on nodes: flat until dp.step's trial of whole steps decides (a 2-D mesh's axes say
+        # where the nodes are: its two levels are not timed against flat)
         local = devices_per_node or min(default_local_size(), self.world_size)
-        two_level = None if isinstance(axis_name, tuple) else measured_form(
-            self.algorithm, self.layouts, axis_name, self.world_size, local)
-        # then, through dp.step, a trial of whole training steps decides
-        self._forms = None if two_level is None else StepForms(
-            self.algorithm, axis_name, two_level, form_topology(self.algorithm, self.layouts, self.world_size, local))
+        trial = not isinstance(axis_name, tuple) and decided_by_trial(self.algorithm, self.world_size, local)
+        self._forms = StepForms(self.algorithm, axis_name, form_topology(
+            self.algorithm, self.layouts, self.world_size, local)) if trial else None
         logger.info(
             "bagua_x.jax.wrap: %d leaves in %d buckets, %s, world size %d%s",
             len(flat), len(self.bucket_leaves), self.algorithm.hyperparameters(), self.world_size,
@@ -175,7 +174,10 @@ class DataParallel:
         (``in_specs=P()``), or with ``per_device`` one copy per device along the
         axis (``in_specs=P(axis_name)``), for values that diverge per device:
         the params and optimizer state of weight algorithms.  See :mod:`.placement`.
+        A ``mesh`` that is not the step's (the wrap's, else ``jax.set_mesh``'s) is refused.
         """
+        if mesh is not None:
+            self._check_step_mesh(mesh, "dp.replicate")
         return _replicate(tree, self.axis_name, mesh if mesh is not None else self.mesh, per_device)
 
     def unreplicate(self, tree: Any) -> Any:
@@ -185,7 +187,9 @@ class DataParallel:
     def init_state(self, params: Any = None) -> tuple:
         """The algorithm state for one device: a tuple with one state per bucket, each the algorithm's
         ``NamedTuple`` (``PowerSGDState``...), so a pytree (pure, jit-safe), with any zero-size array as None
-        (orbax cannot save one: :func:`~.node_form.storable`).
+        (orbax cannot save one: :func:`~.node_form.storable`); where the algorithm branches on its step, inside
+        a :class:`~.schedule.Scheduled` (the same leaves and key paths), and where ``dp.step`` decides the
+        form, inside a :class:`~.node_form.FormState`.
 
         Empty for a momentum algorithm (QAdam): its optimizer, :meth:`optimizer`, holds the state.
         """
@@ -195,11 +199,11 @@ class DataParallel:
             leaves = [jnp.zeros(shape, dtype) for shape, dtype in zip(self._shapes, self._dtypes)]
         else:
             leaves = self._leaves(self._initial if params is None else params, "init_state")
-        return with_form(tuple(
+        return with_form(scheduled(tuple(
             storable(initial_state(self.algorithm, layout.pack([leaves[i] for i in bucket], xp=jnp), layout,
                                    self.world_size))
             for bucket, layout in zip(self.bucket_leaves, self.layouts)
-        ), self._forms)
+        ), self.algorithm), self._forms)
 
     def init(self, params: Any = None, mesh: Optional[jax.sharding.Mesh] = None) -> tuple:
         """:meth:`init_state` (from ``params``, default the wrapped ones) on every device.
@@ -356,11 +360,11 @@ class DataParallel:
 
         def init(params):
             leaves = self._leaves(params, "optimizer init")
-            return with_form(tuple(
+            return with_form(scheduled(tuple(
                 storable(initial_state(algorithm, jnp.zeros((layout.padded_numel,), leaves[bucket[0]].dtype), layout,
                                        self.world_size))
                 for bucket, layout in zip(self.bucket_leaves, self.layouts)
-            ), self._forms)
+            ), algorithm), self._forms)
 
         def update(grads, state, params=None):
             if params is None:
@@ -395,18 +399,17 @@ class DataParallel:
         with ``check_finite=True`` a non-finite reduction raises its BaguaXError
         (instead of JAX's ``JaxRuntimeError`` around it).
 
-        Where ``wrap`` measured the form (``hierarchical=None`` on node groups),
-        the first 12 steps through it are a trial: it switches the form in
-        this wrap's bagua_x states among ``fn``'s arguments, times each step,
-        and then keeps the form the slowest process's median step favours,
-        logged (:class:`~.node_form.StepForms`).  A call whose arguments hold
-        none of them (an evaluation) or that raises is not a step of the
-        trial; another wrap's states pass unchanged (drive them with its
-        ``step`` too: ``a.step(b.step(fn))``).  Without a watchdog or a trial it
-        returns ``fn`` unchanged.
+        Where the form is open (``hierarchical=None`` on node groups), the first 12 steps through it are a
+        trial: it sets the form of this wrap's bagua_x states among ``fn``'s arguments (static: each form
+        compiled once, alone), times each step, and then keeps the form the slowest process's median step
+        favours, logged (:class:`~.node_form.StepForms`); until then, and in steps not run through
+        ``dp.step``, the step runs flat.  A call whose arguments hold none of the states (an evaluation)
+        or that raises is not a step of the trial; another wrap's states pass unchanged (drive them with
+        its ``step`` too: ``a.step(b.step(fn))``).  Without a watchdog or a trial it returns ``fn``
+        unchanged.
         """
-        watchdog = self._watchdog
-        if watchdog is None and self._forms is None:
+        watchdog, branches = self._watchdog, self.algorithm.branch_key(0) is not None
+        if watchdog is None and self._forms is None and not branches:
             return fn
 
         @functools.wraps(fn)
@@ -414,6 +417,8 @@ class DataParallel:
             forms = self._forms if self._forms is not None and not self._forms.done else None
             if forms is not None:
                 args, kwargs = forms.before(args, kwargs)
+            if branches:
+                args, kwargs = with_keys(args, kwargs)
             if watchdog is None:
                 out = jax.block_until_ready(fn(*args, **kwargs))
             else:
@@ -464,6 +469,19 @@ class DataParallel:
         return BaguaXError(message)
 
     # -- internals ------------------------------------------------------------------------------
+    def _check_step_mesh(self, mesh: jax.sharding.Mesh, call: str) -> None:
+        """Raise where ``mesh`` is not the one the step shards over (the wrap's, else ``jax.set_mesh``'s):
+        JAX would refuse arrays laid out on it at the step's first call, naming devices, not the cause."""
+        step, which = (self.mesh, "the wrap's") if self.mesh is not None else (context_mesh(self.axis_name),
+                                                                                 "the one of jax.set_mesh")
+        if step is None or mesh == step:
+            return
+        raise BaguaXError(
+            f"{call}: mesh= {_describe_mesh(mesh)} is not the mesh the step shards over, {which}: "
+            f"{_describe_mesh(step)}; the step's arrays must be laid out on its mesh: pass no mesh (the step's is "
+            "taken), or the same mesh to wrap(mesh=...) / jax.set_mesh and here"
+        )
+
     def _only_for(self, target: Target, call: str) -> None:
         """Raise unless this wrap's algorithm communicates ``target``: ``call`` would communicate nothing."""
         algorithm = self.algorithm
@@ -599,6 +617,10 @@ class DataParallel:
         return jax.tree_util.tree_unflatten(self._treedef, out), tuple(new_state)
 
 
+def _describe_mesh(mesh: jax.sharding.Mesh) -> str:
+    return f"(axes {dict(mesh.shape)}, devices {[d.id for d in mesh.devices.flat]})"
+
+
 def wrap(
     params: Any,
     *,
@@ -645,11 +667,10 @@ def wrap(
             algorithms (default: this process's devices times torchrun's
             ``LOCAL_WORLD_SIZE``), which run in two levels under ``pmap`` with
             >= 2 nodes.  With >= 2 devices per node, ``hierarchical=None`` takes
-            the faster form: ``wrap`` times both under ``pmap`` (a few reduces of
-            zero buckets, compiled for each form), then the first 12 steps through
-            :meth:`DataParallel.step` time whole steps in each and decide; the
-            choice is part of the state (``init``), so a restored state keeps its
-            form (:mod:`.node_form`).
+            the faster form: the first 12 steps through :meth:`DataParallel.step`
+            time whole steps in each and decide (until then, and without ``dp.step``,
+            the step runs flat); the choice is part of the state (``init``), so a
+            restored state keeps its form through ``dp.step`` (:mod:`.node_form`).
             Where there are no node groups (``shard_map``: JAX has
             no grouped collectives there; a ``devices_per_node`` that does not
             divide the axis) the default ``hierarchical=None`` runs flat and

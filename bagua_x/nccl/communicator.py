@@ -327,6 +327,9 @@ class NcclCommunicator:
     def switch(self, index, branches: Sequence[Callable[[Any], Any]], operand):
         return branches[int(index)](operand)
 
+    def counter(self, step):
+        return step  # on the host already
+
     # -- helpers -----------------------------------------------------------------------------
     def _input(self, x, what: str):
         """``(x, info)``: a contiguous CUDA buffer on this device, ready on ``self.stream``."""

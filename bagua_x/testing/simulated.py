@@ -206,6 +206,9 @@ class SimulatedCommunicator:
             raise CollectiveError(f"switch: index {int(index)} outside {len(branches)} branches")
         return branches[int(index)](operand)
 
+    def counter(self, step):
+        return step  # on the host already
+
 
 class HierarchicalSimulatedCommunicator(SimulatedCommunicator):
     """Also offers ``within`` / ``across`` (Feature.HIERARCHICAL): simulated communicators over this rank's node

@@ -155,6 +155,9 @@ class TorchCommunicator:
     def switch(self, index, branches: Sequence[Callable], operand):
         return branches[int(index)](operand)
 
+    def counter(self, step):
+        return step  # on the host already
+
     # -- helpers ----------------------------------------------------------------------------
     def _wait(self, work, x: torch.Tensor) -> None:
         """Wait for a collective, raising after ``timeout`` seconds (gloo: "Operation timed out!").

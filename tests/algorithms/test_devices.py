@@ -69,6 +69,9 @@ class MetaCommunicator:
         assert not isinstance(index, torch.Tensor) or index.device.type == "cpu", index.device
         return branches[int(index)](operand)
 
+    def counter(self, step):
+        return step
+
 
 SHAPES = [(24, 10), (10,), (3, 4, 5)]  # 310 elements: no multiple of 4, so unaligned buckets need padding
 ALGORITHMS = [

@@ -238,26 +238,22 @@ class _Records:
         self.logger.setLevel(self.level)
 
 
-def measured_worker(name: str, first: dict, second: dict, total: int, k: int, directory: str) -> dict:
-    """``name`` at hierarchical=None, timed at wrap with one form slowed by ``first``: its form, log and training;
-    the same training with each form forced; and a run stopped at ``k`` and resumed under a wrap slowed by
-    ``second`` (which times the other form faster) from the checkpoint."""
-    import os
-
+def open_form_worker(name: str, total: int) -> dict:
+    """``name`` at hierarchical=None trained without ``dp.step``: its state's form, wrap's log and the training;
+    the same training with each form forced."""
     import jax
 
     import bagua_x.jax as bxj
     from bagua_x import algorithms
-    from bagua_x.jax.node_form import MeasuredState
+    from bagua_x.jax.node_form import FormState
     from bx_jax_workers import make_data, make_params, resumable_pmap
 
-    def wrap(algorithm, delays=None):
+    def wrap(algorithm):
         with _Records() as messages:
-            dp = bxj.wrap(params, algorithm=algorithm if delays is None else _slowed(algorithm, delays))
-        if delays is not None:
-            delays.clear()  # the training step is traced without them
-        state = dp.init_state()
-        return dp, messages, int(state[0].hierarchical) & 1 if isinstance(state[0], MeasuredState) else None
+            dp = bxj.wrap(params, algorithm=algorithm)
+        state = dp.init_state()[0]
+        form = (state.over_nodes, int(state.hierarchical)) if isinstance(state, FormState) else None
+        return dp, messages, form
 
     bxj.init_distributed()
     try:
@@ -266,15 +262,11 @@ def measured_worker(name: str, first: dict, second: dict, total: int, k: int, di
         params = make_params(0)
         x, y = make_data(total, 4)
         x, y = x[:, rank:rank + 1], y[:, rank:rank + 1]
-        path = os.path.join(directory, f"process{rank}.npz")
-        dp, messages, form = wrap(base, dict(first))
+        dp, messages, form = wrap(base)
         out = {"form": form, "messages": messages, "full": resumable_pmap(dp, params, x, y, 0, total)}
         for setting in (True, False):
             forced, forced_messages, forced_form = wrap(dataclasses.replace(base, hierarchical=setting))
             out[setting] = (forced_form, forced_messages, resumable_pmap(forced, params, x, y, 0, total))
-        resumable_pmap(wrap(base, dict(first))[0], params, x, y, 0, k, save=path)
-        dp, messages, form = wrap(base, dict(second))
-        out["resumed"] = (form, resumable_pmap(dp, make_params(1), x, y, k, total, load=path))
     finally:
         jax.distributed.shutdown()
     return out
@@ -282,22 +274,23 @@ def measured_worker(name: str, first: dict, second: dict, total: int, k: int, di
 
 # -- hierarchical=None: whole training steps through dp.step decide -------------------------------------------------
 
-def _codes(state) -> list[int]:
-    """The form codes of a pmap-layout bagua_x state (this process's device), one per bucket."""
+def _codes(state) -> list[tuple[int, int]]:
+    """Per bucket of a pmap-layout bagua_x state (this process's device): the form it is set to run (1: over
+    nodes) and its code."""
     import jax
 
-    from bagua_x.jax.node_form import DecidedState, MeasuredState
+    from bagua_x.jax.node_form import FormState
 
-    kinds = (MeasuredState, DecidedState)
-    measured = [m for m in jax.tree.leaves(state, is_leaf=lambda m: isinstance(m, kinds)) if isinstance(m, kinds)]
-    return [(type(m).__name__, int(_host_local(m.hierarchical)[0])) for m in measured]
+    states = [m for m in jax.tree.leaves(state, is_leaf=lambda m: isinstance(m, FormState))
+              if isinstance(m, FormState)]
+    return [(int(m.over_nodes), int(_host_local(m.hierarchical)[0])) for m in states]
 
 
-def trial_worker(name: str, at_wrap: dict, in_steps: dict, total: int, saves: tuple, directory: str) -> dict:
+def trial_worker(name: str, in_steps: dict, total: int, saves: tuple, directory: str) -> dict:
     """``name`` at hierarchical=None trained through ``dp.step`` for ``total`` steps, one form slowed by
-    ``at_wrap`` while wrap times the reduce and by ``in_steps`` in the training step: per step, the codes in
-    the state (its kind and code) and this process's params; the log; checkpoints at the steps in ``saves``.
-    Then, from each checkpoint, a fresh wrap (timed as before) resumes to ``total``."""
+    ``in_steps`` in the training step: per step, the forms and codes in the state (:func:`_codes`) and this
+    process's params; the log; checkpoints at the steps in ``saves``.  Then, from each checkpoint, a fresh wrap
+    resumes to ``total``."""
     import os
 
     import jax
@@ -308,10 +301,7 @@ def trial_worker(name: str, at_wrap: dict, in_steps: dict, total: int, saves: tu
 
     def train(params, x, y, start, load=None):
         with _Records() as messages:
-            delays = dict(at_wrap)
-            dp = bxj.wrap(params, algorithm=_slowed(getattr(algorithms, name)(), delays))
-            delays.clear()
-            delays.update(in_steps)  # the step is traced at its first call, with these
+            dp = bxj.wrap(params, algorithm=_slowed(getattr(algorithms, name)(), dict(in_steps)))
             tx, step = training_step(dp, LR)
             f = dp.step(jax.pmap(step, axis_name="batch"))
             carry = (dp.replicate(params), dp.replicate(tx.init(params)), dp.init())
@@ -365,10 +355,8 @@ def cached_worker(name: str, in_steps: dict, total: int, path: str) -> dict:
         out = {}
         for job, extra in (("first", 0.0), ("second", 0.0), ("third", 0.5)):
             with _Records() as messages:
-                delays = {}
+                delays = {(p, form): in_steps.get((p, form), 0.0) + extra for p in range(4) for form in (False, True)}
                 dp = bxj.wrap(params, algorithm=_slowed(getattr(algorithms, name)(), delays))
-                delays.update({(p, form): in_steps.get((p, form), 0.0) + extra for p in range(4)
-                               for form in (False, True)})  # the step is traced at its first call, with these
                 tx, step = training_step(dp, LR)
                 f = dp.step(jax.pmap(step, axis_name="batch"))
                 carry = (dp.replicate(params), dp.replicate(tx.init(params)), dp.init())
@@ -403,9 +391,7 @@ def interrupted_worker(in_steps: dict, trial: int, total: int, evals: tuple, rai
         params = {"w": np.zeros(32, np.float32)}
         noise = np.random.default_rng(rank).standard_normal((total, 1, 32)).astype(np.float32) * 0.01
         noise[trial:] = 0
-        delays = {}
-        dp = bxj.wrap(params, algorithm=_slowed(LowPrecisionDecentralized(), delays))
-        delays.update(in_steps)  # the steps are traced at their first call, with these
+        dp = bxj.wrap(params, algorithm=_slowed(LowPrecisionDecentralized(), dict(in_steps)))
         sync = jax.pmap(lambda p, s, n: dp.sync_params({"w": p["w"] + n}, s), axis_name="batch")
 
         def step(p, s, n):

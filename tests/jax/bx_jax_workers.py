@@ -180,9 +180,10 @@ def bagua_shard_map(dp, params, x, y, mesh, lr: float = 1e-2, through_step: bool
     return jax.tree.map(np.asarray, dp.unreplicate(p))
 
 
-def bagua_jit(dp, params, x, y, mesh, lr: float = 1e-2):
+def bagua_jit(dp, params, x, y, mesh, lr: float = 1e-2, seen: list | None = None):
     """:func:`bagua_pmap`'s training (``sgd=True``) in the jit-first style: ``jax.jit`` over ``mesh``, the
-    global batch sharded along "batch", ``dp.value_and_grad`` in place of ``jax.value_and_grad``.
+    global batch sharded along "batch", ``dp.value_and_grad`` in place of ``jax.value_and_grad``.  With
+    ``seen``, called through ``dp.step``, each call's jitted step and arguments appended to it.
 
     Gradient algorithms: params and SGD state replicated; QAdam: ``dp.optimizer()``
     on per-device gradients; weight algorithms: params and SGD state one copy per
@@ -212,6 +213,11 @@ def bagua_jit(dp, params, x, y, mesh, lr: float = 1e-2):
             p, st = dp.sync_params(p, st)
         return p, o, st, loss.mean()
 
+    def record(*args):
+        seen.append((step, args))
+        return step(*args)
+
+    call = step if seen is None else dp.step(record)
     p = dp.replicate(params, mesh, per_device=weights)
     o = dp.replicate(tx.init(params), mesh, per_device=weights or target is Target.MOMENTUM)
     st = dp.init(mesh=mesh)
@@ -222,7 +228,7 @@ def bagua_jit(dp, params, x, y, mesh, lr: float = 1e-2):
     for s in range(x.shape[0]):
         xs, ys = (jax.make_array_from_process_local_data(data, a[s][mine].reshape((-1,) + a.shape[3:]),
                                                          (a.shape[1] * a.shape[2],) + a.shape[3:]) for a in (x, y))
-        p, o, st, loss = jax.block_until_ready(step(p, o, st, xs, ys))  # see _one_step_in_flight
+        p, o, st, loss = jax.block_until_ready(call(p, o, st, xs, ys))  # see _one_step_in_flight
         losses.append(float(loss))
     return jax.tree.map(np.asarray, dp.unreplicate(p)), losses
 
@@ -427,7 +433,19 @@ def jit_first_worker(steps: int, lr: float):
         out[name] = {"jit": jit_params, "losses": losses,
                      "pmap": bagua_pmap(bxj.wrap(params, algorithm=algorithm), params, x[:, mine], y[:, mine], lr,
                                         sgd=True)}
+        if algorithm.branch_key(0) is not None:  # through dp.step: one branch per program, decided on the host
+            seen = []
+            out[name]["dp.step"] = bagua_jit(bxj.wrap(params, algorithm=algorithm, mesh=mesh), params, x, y, mesh, lr,
+                                             seen=seen)[0]
+            out[name]["conditionals"] = [conditionals(fn, args) for fn, args in seen]
     return out
+
+
+def conditionals(fn, args) -> int:
+    """Conditionals (``lax.cond`` / ``lax.switch``) in the program of ``fn(*args)``."""
+    import jax
+
+    return str(jax.make_jaxpr(fn)(*args)).count("cond[")
 
 
 def two_level_algorithms() -> dict:
@@ -468,7 +486,19 @@ def two_level_mesh_worker(steps: int, lr: float):
         out[name] = {"jit": jit_params, "losses": losses,
                      "pmap": bagua_pmap(bxj.wrap(params, algorithm=algorithm), params, x[:, mine], y[:, mine], lr,
                                         sgd=True)}
+        if algorithm.branch_key(0) is not None:  # through dp.step: one branch per program, decided on the host
+            seen = []
+            out[name]["dp.step"] = bagua_jit(bxj.wrap(params, algorithm=algorithm, mesh=mesh), params, x, y, mesh, lr,
+                                             seen=seen)[0]
+            out[name]["conditionals"] = [conditionals(fn, args) for fn, args in seen]
     return out
+
+
+def conditionals(fn, args) -> int:
+    """Conditionals (``lax.cond`` / ``lax.switch``) in the program of ``fn(*args)``."""
+    import jax
+
+    return str(jax.make_jaxpr(fn)(*args)).count("cond[")
 
 
 @_multiprocess

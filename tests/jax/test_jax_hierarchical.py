@@ -123,7 +123,7 @@ def test_qadam_step():
 def test_wrap_trains_hierarchically_with_devices_per_node():
     params = w.make_params(0)
     x, y = w.make_data(40, N, per_device=16, seed=2)
-    dp = wrap(params, algorithm=ByteGrad(), devices_per_node=LOCAL)
+    dp = wrap(params, algorithm=ByteGrad(hierarchical=True), devices_per_node=LOCAL)
     traces = []
     every = w.bagua_pmap(dp, params, x, y, lr=2e-2, every_device=True, traces=traces)
     assert len(traces) == 1
@@ -157,22 +157,32 @@ def test_hierarchical_true_without_node_groups_is_refused():
                         r"pass hierarchical=None .*", got["pmap"]), got
 
 
-def test_a_measured_form_under_shard_map_runs_flat(caplog):
-    """wrap times the forms under pmap and puts the choice in the state; shard_map has no node groups, so the
-    step carries the choice and runs flat: bitwise the forced flat run, and dp.step times no forms."""
-    from bagua_x.jax.node_form import MeasuredState
+def test_an_open_form_runs_flat_until_a_trial_and_under_shard_map(caplog):
+    """hierarchical=None on node groups: wrap says the step runs flat until dp.step's trial, and the state says
+    flat and undecided; without dp.step, under pmap, the step is bitwise the forced flat one (and not the forced
+    over-nodes one); shard_map has no node groups, so dp.step times no forms and the step runs flat."""
+    from bagua_x.jax.node_form import FormState
 
     params = w.make_params(0)
     x, y = w.make_data(3, N)
     mesh = jax.make_mesh((N,), ("batch",))
-    measured = wrap(params, algorithm=ByteGrad(), devices_per_node=LOCAL)
-    assert int(measured.init_state()[0].hierarchical) in (2, 3)  # UNDECIDED | the form timed at wrap
+    with caplog.at_level("INFO", logger="bagua_x"):
+        open_form = wrap(params, algorithm=ByteGrad(), devices_per_node=LOCAL)
+    assert f"bagua_x: ByteGrad runs flat on {N // LOCAL} nodes of {LOCAL} devices until the first 12 steps through " \
+        "dp.step have timed both forms; a step not run through dp.step stays flat" in caplog.messages
+    state = open_form.init_state()[0]
+    assert isinstance(state, FormState) and not state.over_nodes and int(state.hierarchical) == UNDECIDED
     flat = wrap(params, algorithm=ByteGrad(hierarchical=False), devices_per_node=LOCAL)
-    assert not isinstance(flat.init_state()[0], MeasuredState)  # forced: not timed
-    got, want = w.bagua_shard_map(measured, params, x, y, mesh), w.bagua_shard_map(flat, params, x, y, mesh)
+    nodes = wrap(params, algorithm=ByteGrad(hierarchical=True), devices_per_node=LOCAL)
+    assert not isinstance(flat.init_state()[0], FormState)  # forced: no trial
+    got = w.bagua_pmap(open_form, params, x, y)
+    jax.tree.map(np.testing.assert_array_equal, got, w.bagua_pmap(flat, params, x, y))
+    assert max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(got),
+                                                         jax.tree.leaves(w.bagua_pmap(nodes, params, x, y)))) > 0
+    got, want = w.bagua_shard_map(open_form, params, x, y, mesh), w.bagua_shard_map(flat, params, x, y, mesh)
     jax.tree.map(np.testing.assert_array_equal, got, want)
     with caplog.at_level("INFO", logger="bagua_x"):
-        got = w.bagua_shard_map(measured, params, x, y, mesh, through_step=True)
+        got = w.bagua_shard_map(open_form, params, x, y, mesh, through_step=True)
     jax.tree.map(np.testing.assert_array_equal, got, want)
     assert "bagua_x: ByteGrad runs flat: the step has no node groups (shard_map), so the forms are not timed" \
         in caplog.messages, caplog.messages
@@ -183,7 +193,7 @@ UNDECIDED = 2
 
 
 def _codes(state):
-    """Each bucket's form code (device 0's) of a measured state, pmap layout."""
+    """Each bucket's form code (device 0's) of a FormState, pmap layout."""
     return [int(m.hierarchical[0]) for m in state]
 
 
@@ -198,7 +208,7 @@ def test_dp_step_calls_without_bagua_x_state_or_that_raise_are_not_trial_steps(c
     def fails(state):
         raise ValueError("a bad batch")
 
-    state, codes = dp.init(), []
+    state, forms = dp.init(), []
     with caplog.at_level("INFO", logger="bagua_x"):
         for s in range(len(PLAN)):
             assert evaluate(s) == s + 1
@@ -206,11 +216,11 @@ def test_dp_step_calls_without_bagua_x_state_or_that_raise_are_not_trial_steps(c
                 with pytest.raises(ValueError, match="a bad batch"):
                     fails(state)
             state = train(state)
-            codes.append(_codes(state))
-    assert codes == [[UNDECIDED | f] for f in PLAN]
+            forms.append([(int(m.over_nodes), _codes([m])[0]) for m in state])
+    assert forms == [[(f, UNDECIDED)] for f in PLAN]  # the form set for the step; the code is the step's to write
     assert caplog.messages == ["bagua_x: ByteGrad: a call through dp.step whose arguments hold no bagua_x state of "
                                "this wrap is not a step of the trial of forms (a step that closes over its state "
-                               "keeps the form timed at wrap)"], caplog.messages
+                               "runs flat)"], caplog.messages
 
 
 def test_two_wraps_states_through_one_dp_step_are_each_driven_by_their_own_wrap(caplog):

@@ -69,13 +69,11 @@ def test_hierarchical_true_is_refused_alike_on_every_process(runs):
     assert "shard_map axis" in got[0]["shard_map"] and "do not split into nodes of 3" in got[0]["pmap"], got[0]
 
 
-# One form made slow by a delay on some processes only while wrap times the forms: nodes 0 and 1 alone would
-# choose differently (node 0 sees a 0.3 s penalty in one form, node 1 a 0.1 s one in the other); every process
-# must take the form the slowest device's times favour.
+# One form made slow by a delay on some processes only: nodes 0 and 1 alone would choose differently (node 0 sees
+# a 0.3 s penalty in one form, node 1 a 0.1 s one in the other); every process must take the form the slowest
+# device's times favour.
 SKEWS = {"over nodes": {(0, False): 0.3, (1, False): 0.3, (2, True): 0.1, (3, True): 0.1},
          "flat": {(0, True): 0.3, (1, True): 0.3, (2, False): 0.1, (3, False): 0.1}}
-MEASURED = re.compile(r"bagua_x: Slowed runs (over nodes|flat), by measurement: one reduce of every bucket took "
-                      r"([0-9.]+) ms flat and ([0-9.]+) ms over nodes \(median of 3 rounds, slowest rank\)")
 
 
 def _equal(a, b):
@@ -86,63 +84,46 @@ def _distance(a, b):
     return max(float(np.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-@pytest.mark.parametrize("name, expected", [("ByteGrad", "over nodes"), ("LowPrecisionDecentralized", "flat")])
-def test_default_form_is_measured_at_wrap_and_kept_on_resume(name, expected, tmp_path):
-    other = "flat" if expected == "over nodes" else "over nodes"
-    res = run_workers("bx_jax_node_workers:measured_worker", nproc=4, timeout=400, env=ENV,
-                      args=(name, SKEWS[expected], SKEWS[other], 5, 2, str(tmp_path)))
-    two_level = expected == "over nodes"
-    logged = []
+@pytest.mark.parametrize("name", ["ByteGrad", "LowPrecisionDecentralized"])
+def test_without_dp_step_an_open_form_runs_flat(name):
+    """hierarchical=None on 2 nodes x 2 without dp.step: wrap times nothing and says the step runs flat, the
+    state says flat and undecided, and the training is bitwise hierarchical=False's on every process (and not
+    hierarchical=True's, so a step that ran over nodes would fail)."""
+    res = run_workers("bx_jax_node_workers:open_form_worker", nproc=4, timeout=400, env=ENV, args=(name, 5))
     for r in res:
-        assert r["form"] == int(two_level)  # in the state: the step runs it
-        found = [m for m in map(MEASURED.fullmatch, r["messages"]) if m]
-        assert len(found) == 1, r["messages"]
-        logged.append(found[0].groups())
-    assert len(set(logged)) == 1, logged  # the same decision and times on every process
-    form, flat_ms, two_ms = logged[0]
-    slow, fast = (float(flat_ms), float(two_ms)) if two_level else (float(two_ms), float(flat_ms))
-    assert form == expected and slow >= 300 and 100 <= fast < 300, logged[0]
-    for r in res:
-        for setting in (True, False):  # forced: not timed, no form in the state
-            assert r[setting][0] is None and not any("by measurement" in m for m in r[setting][1])
-        # the chosen form's result; the step holds both forms (lax.switch), so XLA may fuse it otherwise than
-        # the forced form's step: seen up to 1 ulp after 5 steps, where the forms differ by quantisation codes
-        chosen, other_form = _distance(r["full"], r[two_level][2]), _distance(r["full"], r[not two_level][2])
-        print(f"{name}: {chosen:.3g} from the chosen form, {other_form:.3g} from the other")
-        assert chosen <= 1e-6 and other_form > 100 * max(chosen, 1e-7), (chosen, other_form)
-        # the resumed wrap timed the other form faster, but the restored state runs the checkpoint's form
-        assert r["resumed"][0] == int(not two_level)
-        assert _equal(r["full"], r["resumed"][1])
+        assert r["form"] == (False, UNDECIDED)
+        said = [m for m in r["messages"] if "runs flat on 2 nodes of 2 devices until" in m]
+        assert len(said) == 1 and not any("by measurement" in m for m in r["messages"]), r["messages"]
+        for setting in (True, False):  # forced: no trial, no form in the state
+            assert r[setting][0] is None and not any("until the first 12 steps" in m for m in r[setting][1])
+        assert _equal(r["full"], r[False][2])
+        assert _distance(r["full"], r[True][2]) > 1e-6
 
 
+UNDECIDED = 2
 TRIAL = re.compile(r"bagua_x: Slowed runs (over nodes|flat), by measurement: a training step took ([0-9.]+) ms flat "
                    r"and ([0-9.]+) ms over nodes \(median of 4 steps each, slowest rank\)")
 PLAN = [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]  # the trial's forms (1: over nodes), StepTrial's plan
-UNDECIDED = 2
 
 
 @pytest.mark.parametrize("name, expected", [("ByteGrad", "over nodes"), ("LowPrecisionDecentralized", "flat")])
 def test_whole_steps_through_dp_step_decide_the_form(name, expected, tmp_path):
-    """wrap's reduce timing favours one form, the training steps the other (per-process skews, SKEWS): the
-    trial through dp.step runs its plan, every process takes the form the slowest one's steps favour, and
-    LowPrecisionDecentralized restarts from equal weights at every switch; then the states are DecidedState
-    (the form alone compiled).  A checkpoint taken after the decision resumes bitwise in its form; one taken
+    """Per-process skews (SKEWS) in the training steps: the trial through dp.step runs its plan, each step
+    compiled in its form alone, every process takes the form the slowest one's steps favour, and
+    LowPrecisionDecentralized restarts from equal weights at every switch, the decision's included; then the
+    states run the decided form.  A checkpoint taken after the decision resumes bitwise in its form; one taken
     during the trial is timed again."""
-    other = "flat" if expected == "over nodes" else "over nodes"
     total, saves = 17, (4, 14)
     res = run_workers("bx_jax_node_workers:trial_worker", nproc=4, timeout=600, env=ENV,
-                      args=(name, SKEWS[other], SKEWS[expected], total, saves, str(tmp_path)))
+                      args=(name, SKEWS[expected], total, saves, str(tmp_path)))
     form = int(expected == "over nodes")
-    # LowPrecisionDecentralized switching at the decision restarts in that step, still switchable
-    restarts = name == "LowPrecisionDecentralized" and form != PLAN[-1]
-    trial = [[("MeasuredState", UNDECIDED | f)] for f in PLAN]
-    decided = [[("MeasuredState", form)]] * restarts + [[("DecidedState", form)]] * total
+    trial = [[(f, UNDECIDED | f)] for f in PLAN]  # (the form set, the code the step wrote)
+    decided = [[(form, form)]] * total
     logged = []
     for r in res:
         steps, messages = r["full"]["steps"], r["full"]["messages"]
         assert len(steps) == total
         assert [codes for codes, _ in steps] == (trial + decided)[:total]
-        assert any(m.startswith(f"bagua_x: Slowed runs {other}, by measurement: one reduce") for m in messages)
         found = [m for m in map(TRIAL.fullmatch, messages) if m]
         assert len(found) == 1, messages
         logged.append(found[0].groups())
@@ -152,7 +133,7 @@ def test_whole_steps_through_dp_step_decide_the_form(name, expected, tmp_path):
     assert chosen == expected and slow >= 300 and fast < slow, logged[0]
     # a switch restarts LowPrecisionDecentralized from the processes' average: equal weights on every process;
     # between switches its weights differ (ByteGrad's are always equal)
-    forms = [1 - form] + [codes[0][1] & 1 for codes, _ in res[0]["full"]["steps"]]
+    forms = [0] + [codes[0][1] & 1 for codes, _ in res[0]["full"]["steps"]]  # wrap starts flat
     for s in range(total):
         spread = max(float(np.abs(a - b).max()) for r in res[1:]
                      for a, b in zip(r["full"]["steps"][s][1], res[0]["full"]["steps"][s][1]))
@@ -162,7 +143,7 @@ def test_whole_steps_through_dp_step_decide_the_form(name, expected, tmp_path):
             assert spread > 1e-4, (s, spread)
     for r in res:
         after = r[14]
-        assert [codes for codes, _ in after["steps"]] == [[("DecidedState", form)]] * (total - 14)
+        assert [codes for codes, _ in after["steps"]] == decided[:total - 14]
         assert all(_equal(a[1], b[1]) for a, b in zip(after["steps"], r["full"]["steps"][14:]))
         assert f"bagua_x: Slowed runs {expected}, as in the state passed to dp.step (decided before)" in \
             after["messages"]
@@ -182,8 +163,7 @@ def test_calls_between_the_trial_steps_keep_its_plan_and_restarts():
     trial, total = len(PLAN), len(PLAN) + 3
     res = run_workers("bx_jax_node_workers:interrupted_worker", nproc=4, timeout=300, env=ENV,
                       args=(slow_over_nodes, trial, total, (0, 3, 12), (6, 12)))
-    want = ([[("MeasuredState", UNDECIDED | f)] for f in PLAN] + [[("MeasuredState", 0)]]
-            + [[("DecidedState", 0)]] * (total - trial - 1))
+    want = [[(f, UNDECIDED | f)] for f in PLAN] + [[(0, 0)]] * (total - trial)
     for r in res:
         assert [codes for codes, _ in r["steps"]] == want, r["messages"]
     spread = [max(float(np.abs(r["steps"][s][1] - res[0]["steps"][s][1]).max()) for r in res[1:])
@@ -199,7 +179,7 @@ def test_calls_between_the_trial_steps_keep_its_plan_and_restarts():
 
 def test_the_form_cache_keeps_a_decision_that_fits_and_times_again_where_the_steps_changed(tmp_path):
     """BAGUA_X_FORM_CACHE set on process 0 only: a first job's trial through dp.step records over nodes; a second,
-    alike, runs one block over nodes, keeps the decision and runs it alone (DecidedState); a third, whose steps
+    alike, runs one block over nodes and keeps the decision; a third, whose steps
     take 0.5 s more, finds no decision within 25 % and runs the whole trial after that block."""
     import json
 
@@ -209,9 +189,9 @@ def test_the_form_cache_keeps_a_decision_that_fits_and_times_again_where_the_ste
     cache = tmp_path / "forms.json"
     res = run_workers("bx_jax_node_workers:cached_worker", nproc=4, timeout=600, env=ENV,
                       args=("ByteGrad", SKEWS["over nodes"], total, str(cache)))
-    trial = [[("MeasuredState", UNDECIDED | f)] for f in PLAN]
-    check = [[("MeasuredState", UNDECIDED | 1)]] * block
-    decided = [[("DecidedState", 1)]] * total
+    trial = [[(f, UNDECIDED | f)] for f in PLAN]
+    check = [[(1, UNDECIDED | 1)]] * block
+    decided = [[(1, 1)]] * total
     for r in res:
         first, second, third = r["first"], r["second"], r["third"]
         assert first["codes"] == (trial + decided)[:total]

@@ -82,6 +82,9 @@ def test_every_algorithm_jit_first_across_two_processes():
         for name, got in run.items():
             assert w.max_difference(got["jit"], got["pmap"]) <= 1e-6, name
             assert len(got["losses"]) == STEPS and got["losses"][-1] < got["losses"][0], name
+            if w.jit_first_algorithms()[name].branch_key(0) is not None:  # through dp.step: the branch alone
+                assert w.max_difference(got["dp.step"], got["jit"]) <= 1e-6, name
+                assert got["conditionals"] == [0] * STEPS, (name, got["conditionals"])
     for name, algorithm in w.jit_first_algorithms().items():  # where every device ends alike, across processes too
         if algorithm.target is not Target.WEIGHT:
             assert w.max_difference(runs[0][name]["jit"], runs[1][name]["jit"]) == 0, name
@@ -98,6 +101,27 @@ def test_context_mesh_serves_a_wrap_without_one(setup):
     want = jax.grad(w.loss_fn)(params, x[0].reshape(-1, w.IN), y[0].reshape(-1, w.OUT))
     assert loss.shape == (N,)
     assert 0 < w.max_difference(grads, want) <= 1e-2  # ByteGrad's 8 bits (0: no compression)
+
+
+def test_a_layout_on_another_mesh_than_the_steps_is_refused(setup):
+    """dp.replicate / dp.init with a mesh that is not the step's (the wrap's, else jax.set_mesh's) raise naming both,
+    before JAX refuses the arrays at the step with devices only; the step's own mesh, or none, is accepted."""
+    params, _, _, mesh = setup
+    devices = jax.devices()[:N]
+    other = jax.sharding.Mesh(np.array(devices[::-1]), ("batch",))  # the same axis, the devices in another order
+    want = (r"dp.replicate: mesh= \(axes \{'batch': 4\}, devices \[3, 2, 1, 0\]\) is not the mesh the step shards "
+            r"over, WHICH: \(axes \{'batch': 4\}, devices \[0, 1, 2, 3\]\); .*pass no mesh")
+    dp = wrap(params, algorithm=ByteGrad(), mesh=mesh)
+    with pytest.raises(BaguaXError, match=want.replace("WHICH", "the wrap's")):
+        dp.replicate(params, mesh=other)
+    with pytest.raises(BaguaXError, match=want.replace("WHICH", "the wrap's")):
+        dp.init(mesh=other)
+    assert jax.tree.leaves(dp.replicate(params, mesh=mesh))[0].sharding.mesh == mesh
+    bare = wrap(params, algorithm=ByteGrad())
+    with jax.set_mesh(mesh):
+        with pytest.raises(BaguaXError, match=want.replace("WHICH", "the one of jax.set_mesh")):
+            bare.replicate(params, mesh=other)
+    bare.replicate(params, mesh=other)  # no step mesh to differ from: laid out as asked
 
 
 def test_jit_level_misuse_is_a_clear_error(setup):
