@@ -22,7 +22,6 @@ one exception: ``reduce_gradients`` with a weight algorithm that declares
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Callable, Hashable, Optional, Sequence
 
@@ -39,14 +38,14 @@ from ..core.validation import describe
 from .checks import (FiniteCheck, check_leaf_dtype, check_registrable, check_stacked, check_state_stacked,
                      refuse_invariant, refuse_jit_level)
 from .communicator import AxisCommunicator, default_local_size
-from .distributed import check_same_across_processes, heartbeat_timeout
+from .distributed import check_same_across_processes
 from .mesh_step import Layout, axis_bound, per_device, shard_over, step_mesh
 from .node_form import StepForms, decided_by_trial, form_topology, run_in_form, storable, with_form
 from .placement import check_mesh_axis, context_mesh, mesh_axis_size
 from .placement import replicate as _replicate
 from .placement import unreplicate as _unreplicate
-from .schedule import scheduled, with_keys
-from .watchdog import StepWatchdog
+from .schedule import scheduled
+from .step import StepGuard, check_timeouts
 
 __all__ = ["DataParallel", "wrap"]
 
@@ -54,7 +53,6 @@ logger = logging.getLogger(__name__)
 
 
 SMALL_LEAF_BYTES = 128 * 1024  # in one process, trees of leaves this small on average are packed
-HEARTBEAT_MARGIN = 10.0  # seconds between wrap's timeout and JAX's heartbeat abort, for the report to come first
 
 
 class DataParallel:
@@ -125,13 +123,7 @@ class DataParallel:
         self.pack_buckets = bool(pack_buckets)
         self._initial = params
         self._finite = FiniteCheck(self.names) if check_finite else None
-        # check_finite alone needs the step count and the failure report, not the time limit
-        if first_step_timeout is not None and timeout is None:
-            raise BaguaXError("bagua_x.jax.wrap: first_step_timeout is the first step's limit in place of timeout; "
-                              "pass timeout=... too, or neither")
-        self._watchdog = (StepWatchdog(self._check_timeout(timeout) if timeout is not None else float("inf"),
-                                       first_step_timeout=self._check_first(first_step_timeout))
-                          if timeout is not None or check_finite else None)
+        check_timeouts(timeout, first_step_timeout)
         check_same_across_processes(
             describe(
                 zip(self.names, self._shapes, map(str, self._dtypes)),
@@ -155,6 +147,8 @@ class DataParallel:
         trial = not isinstance(axis_name, tuple) and decided_by_trial(self.algorithm, self.world_size, local)
         self._forms = StepForms(self.algorithm, axis_name, form_topology(
             self.algorithm, self.layouts, self.world_size, local)) if trial else None
+        self._guard = StepGuard(timeout, first_step_timeout, self._finite, self._forms,
+                                branches=self.algorithm.branch_key(0) is not None)
         logger.info(
             "bagua_x.jax.wrap: %d leaves in %d buckets, %s, world size %d%s",
             len(flat), len(self.bucket_leaves), self.algorithm.hyperparameters(), self.world_size,
@@ -384,13 +378,11 @@ class DataParallel:
 
     # -- around the step, on the host ----------------------------------------------------------
     def step(self, fn: Callable) -> Callable:
-        """``fn`` (the pmapped / jitted training step) with this wrap's host-side fault handling.
+        """``fn`` (the pmapped / jitted training step) with this wrap's host-side work around each call
+        (:mod:`.step`).
 
         ``train_step = dp.step(jax.pmap(step, axis_name="batch"))``.  Each call
-        waits for the step's results (``jax.block_until_ready``): a step that is
-        only dispatched has not been through its collectives yet, and only its
-        results say that it has -- which a ``with`` block around the call could
-        not wait for, hence a decorator.  With ``wrap(timeout=...)`` a watchdog
+        waits for the step's results (``jax.block_until_ready``).  With ``wrap(timeout=...)`` a watchdog
         (:mod:`.watchdog`) ends the process with a report when a step takes
         longer (the first, compiling step: ``first_step_timeout``); a step whose
         program fails (e.g. a peer's connection closed) raises a BaguaXError
@@ -399,74 +391,18 @@ class DataParallel:
         with ``check_finite=True`` a non-finite reduction raises its BaguaXError
         (instead of JAX's ``JaxRuntimeError`` around it).
 
-        Where the form is open (``hierarchical=None`` on node groups), the first 12 steps through it are a
-        trial: it sets the form of this wrap's bagua_x states among ``fn``'s arguments (static: each form
-        compiled once, alone), times each step, and then keeps the form the slowest process's median step
-        favours, logged (:class:`~.node_form.StepForms`); until then, and in steps not run through
-        ``dp.step``, the step runs flat.  A call whose arguments hold none of the states (an evaluation)
-        or that raises is not a step of the trial; another wrap's states pass unchanged (drive them with
-        its ``step`` too: ``a.step(b.step(fn))``).  Without a watchdog or a trial it returns ``fn``
-        unchanged.
+        Where the algorithm branches on its step counter (``Algorithm.branch_key``), the host reads the
+        counter before each call and the step is compiled once per key, each program holding its branch
+        alone (:mod:`.schedule`).  Where the form is open (``hierarchical=None`` on node groups), the first
+        12 steps through it are a trial: it sets the form of this wrap's bagua_x states among ``fn``'s
+        arguments (static: each form compiled once, alone), times each step, and then keeps the form the
+        slowest process's median step favours, logged (:class:`~.node_form.StepForms`); until then, and in
+        steps not run through ``dp.step``, the step runs flat.  A call whose arguments hold none of the
+        states (an evaluation) or that raises is not a step of the trial; another wrap's states pass
+        unchanged (drive them with its ``step`` too: ``a.step(b.step(fn))``).  With none of these it
+        returns ``fn`` unchanged.
         """
-        watchdog, branches = self._watchdog, self.algorithm.branch_key(0) is not None
-        if watchdog is None and self._forms is None and not branches:
-            return fn
-
-        @functools.wraps(fn)
-        def guarded(*args, **kwargs):
-            forms = self._forms if self._forms is not None and not self._forms.done else None
-            if forms is not None:
-                args, kwargs = forms.before(args, kwargs)
-            if branches:
-                args, kwargs = with_keys(args, kwargs)
-            if watchdog is None:
-                out = jax.block_until_ready(fn(*args, **kwargs))
-            else:
-                out = self._watched(watchdog, fn, args, kwargs)
-            if forms is not None:
-                forms.after()
-            return out
-
-        return guarded
-
-    def _watched(self, watchdog: StepWatchdog, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        """``fn(*args, **kwargs)``, its results ready, with the watchdog armed for the step (see :meth:`step`)."""
-        step = watchdog.enter()
-        try:
-            out = jax.block_until_ready(fn(*args, **kwargs))
-        except Exception as e:
-            error = self._step_failed(watchdog, step, e)
-            if error is None:
-                raise
-            raise error from e
-        except BaseException:  # Ctrl-C (KeyboardInterrupt), SystemExit: the step is over, nothing to report
-            watchdog.leave()
-            raise
-        watchdog.leave()
-        return out
-
-    def _step_failed(self, watchdog: StepWatchdog, step: int, e: Exception) -> Optional[BaguaXError]:
-        """The error to raise for a step that raised ``e`` (None: ``e`` itself).
-
-        The step is over, so the watchdog lets go, except after a failure of
-        the compiled program with a process gone (see :mod:`.watchdog`).
-        """
-        finite = self._finite.take() if self._finite is not None else None
-        if finite is not None or not isinstance(e, jax.errors.JaxRuntimeError):
-            # the caller's exception, a tracing error, or check_finite's (raised on every process at this
-            # step): nothing is broken, the caller may catch it and go on
-            watchdog.leave()
-            return None if finite is None else BaguaXError(f"step {step}: {finite}")
-        arrivals, gone = watchdog.arrivals(step)
-        message = (f"bagua_x.jax: step {step} failed on process {watchdog.process} ({type(e).__name__}: "
-                   f"{str(e)[:300]}); {arrivals}. If a process died, see its log; restart "
-                   "the job from its last checkpoint (torchrun --max-restarts does it)")
-        logger.error("%s", message)
-        if gone:
-            watchdog.failed(message)  # still armed: JAX's shutdown would wait for the dead process (.watchdog)
-        else:
-            watchdog.leave()
-        return BaguaXError(message)
+        return self._guard.guard(fn)
 
     # -- internals ------------------------------------------------------------------------------
     def _check_step_mesh(self, mesh: jax.sharding.Mesh, call: str) -> None:
@@ -524,28 +460,6 @@ class DataParallel:
         if Feature.HIERARCHICAL in self.algorithm.uses and Feature.HIERARCHICAL in comm.features:
             flat = comm.within.allreduce(flat, ReduceOp.AVG).astype(flat.dtype)
         return flat, state
-
-    def _check_timeout(self, timeout: float) -> float:
-        timeout = float(timeout)
-        if not timeout > 0:
-            raise BaguaXError(f"bagua_x.jax.wrap: timeout must be a positive number of seconds (or None), got {timeout}")
-        if jax.process_count() > 1 and timeout + HEARTBEAT_MARGIN > heartbeat_timeout():
-            raise BaguaXError(
-                f"bagua_x.jax.wrap: timeout={timeout:g} s is not at least {HEARTBEAT_MARGIN:g} s below JAX's heartbeat "
-                f"timeout ({heartbeat_timeout():g} s), after which JAX aborts every process with its own terse "
-                "message before bagua_x can report; pass a smaller timeout, or a larger "
-                "heartbeat_timeout_seconds to bagua_x.jax.init_distributed"
-            )
-        return timeout
-
-    @staticmethod
-    def _check_first(first_step_timeout: Optional[float]) -> Optional[float]:
-        if first_step_timeout is None:
-            return None
-        if not float(first_step_timeout) > 0:
-            raise BaguaXError(f"bagua_x.jax.wrap: first_step_timeout must be a positive number of seconds (or None), "
-                              f"got {first_step_timeout}")
-        return float(first_step_timeout)
 
     def _leaves(self, tree: Any, where: str, floats: bool = False) -> list:
         """The leaves of ``tree``, checked against the wrapped params (``floats``: registered ones are floating)."""
