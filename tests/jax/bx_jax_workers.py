@@ -486,19 +486,7 @@ def two_level_mesh_worker(steps: int, lr: float):
         out[name] = {"jit": jit_params, "losses": losses,
                      "pmap": bagua_pmap(bxj.wrap(params, algorithm=algorithm), params, x[:, mine], y[:, mine], lr,
                                         sgd=True)}
-        if algorithm.branch_key(0) is not None:  # through dp.step: one branch per program, decided on the host
-            seen = []
-            out[name]["dp.step"] = bagua_jit(bxj.wrap(params, algorithm=algorithm, mesh=mesh), params, x, y, mesh, lr,
-                                             seen=seen)[0]
-            out[name]["conditionals"] = [conditionals(fn, args) for fn, args in seen]
     return out
-
-
-def conditionals(fn, args) -> int:
-    """Conditionals (``lax.cond`` / ``lax.switch``) in the program of ``fn(*args)``."""
-    import jax
-
-    return str(jax.make_jaxpr(fn)(*args)).count("cond[")
 
 
 @_multiprocess
