@@ -48,7 +48,7 @@ from .base import Algorithm, Phase, Target, counter, hierarchical, namespace, ov
 from .bytegrad import compressed_allreduce
 from .sparse import TopK
 
-__all__ = ["DiLoCo", "DiLoCoState"]
+__all__ = ["DiLoCo", "DiLoCoState", "SparseLoCo"]
 
 
 class DiLoCoState(NamedTuple):
@@ -323,3 +323,12 @@ def _sparse_mean(topk: TopK, pseudo, error, comm, two_level: bool):
     mean = xp.concat([topk.mean(received[i, ...], span, real[i]) for i in range(within.size)])
     sent = xp.concat([dense for _, dense in parts])
     return mean[:numel], e - sent[:numel]
+
+
+def SparseLoCo(sync_every: int = 32, fraction: float = 0.02, bits: int = 2, chunk: int = 4096,
+               error_decay: float = 0.95, outer_lr: float = 1.0, **diloco):
+    """SparseLoCo's settings as a :class:`DiLoCo`: the :class:`~.sparse.TopK` exchange, and a plain outer SGD
+    step (no outer momentum: the error-feedback buffer stands in for it).  Further keywords go to DiLoCo
+    (``fragments``, ``hierarchical``...)."""
+    return DiLoCo(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=diloco.pop("outer_momentum", 0.0),
+                  compression=TopK(fraction, bits, chunk, error_decay), **diloco)

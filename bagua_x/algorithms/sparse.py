@@ -6,7 +6,7 @@ error-feedback buffer ``e = error_decay * e + delta`` and sends, per chunk of
 largest in magnitude, their values quantised to ``bits``.  What it sent is
 taken out of its buffer (``e -= sent``), so what was not sent goes out at a
 later outer step.  SparseLoCo's finding is that this buffer does the work of
-DiLoCo's outer momentum (hence :func:`SparseLoCo`: DiLoCo with this compression,
+DiLoCo's outer momentum (hence :func:`~.diloco.SparseLoCo`: DiLoCo with this compression,
 outer momentum 0 and outer learning rate 1).
 
 Why a gather: sparse payloads of different workers select different entries,
@@ -44,7 +44,7 @@ import array_api_compat
 from ..core.errors import BaguaXError
 from .base import namespace
 
-__all__ = ["TopK", "SparseLoCo"]
+__all__ = ["TopK"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,13 +266,3 @@ def _unpack_bits(packed, width: int, count: int):
                                     xp.arange(width, dtype=xp.int32, device=device))
     return xp.sum(bits * weights, axis=1, dtype=xp.int32)
 
-
-def SparseLoCo(sync_every: int = 32, fraction: float = 0.02, bits: int = 2, chunk: int = 4096,
-               error_decay: float = 0.95, outer_lr: float = 1.0, **diloco):
-    """SparseLoCo's settings as a :class:`~.diloco.DiLoCo`: the :class:`TopK` exchange, and a plain outer SGD
-    step (no outer momentum: the error-feedback buffer stands in for it).  Further keywords go to DiLoCo
-    (``fragments``, ``hierarchical``...)."""
-    from .diloco import DiLoCo
-
-    return DiLoCo(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=diloco.pop("outer_momentum", 0.0),
-                  compression=TopK(fraction, bits, chunk, error_decay), **diloco)

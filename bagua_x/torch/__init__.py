@@ -56,15 +56,12 @@ on first use of the name, so torch users need no Lightning).
 (``ensure_bagua_tensor`` ...) to ``torch.Tensor``; see :mod:`bagua_x.torch.integrations.bagua_compat`.
 """
 
-from . import kernels
 from .communicator import TorchCommunicator
 from .integrations.bagua_compat import enable_bagua_api
 from .integrations.comm_hook import CommHookState, comm_hook
 from .fault_tolerance import FaultTolerance
 from .optim import QAdamOptimizer
 from .wrap import DistributedModel, wrap
-
-kernels.install()
 
 __all__ = ["wrap", "DistributedModel", "TorchCommunicator", "QAdamOptimizer", "enable_bagua_api",
            "CommHookState", "comm_hook", "BaguaXStrategy", "FaultTolerance"]

@@ -194,7 +194,7 @@ class TorchCommunicator:
         it): a layout that cannot have node groups raises instead of quietly
         running flat.
         """
-        layout = agree_on_nodes(self, setting, local_world_size)
+        layout = agree_on_nodes(self.group, setting, local_world_size, self.timeout)
         if layout.problem:
             if setting is True:
                 raise BaguaXError(f"{layout.problem}; or pass hierarchical=False")

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import datetime
 import importlib
-import itertools
 import logging
 import os
 import socket
 from collections import defaultdict
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -19,21 +18,13 @@ from ..core.errors import BaguaXError
 from ..core.validation import check_same_everywhere, describe
 from ..core.wire import decode as wire_decode
 from ..core.wire import decode_description, encode
-from .store import resolve_timeout, restart_count, store_allgather
-
-if TYPE_CHECKING:
-    from .communicator import TorchCommunicator
+from .store import check_tag, resolve_timeout, restart_count, store_allgather
 
 __all__ = ["ensure_initialized", "private_group", "model_device", "check_one_gpu_per_rank", "check_same_model",
            "check_same_buckets", "broadcast_tensors", "allgather_bytes"]
 
 log = logging.getLogger(__name__)
 
-# per kind of rebuild, rebuilds happen in the same order on every rank; separate counters keep a rank that
-# skipped one kind (QAdam's switch, the first-step reorder) from pairing its check with another kind's
-_bucket_checks: dict = defaultdict(itertools.count)
-_device_checks = itertools.count()  # one GPU check per wrap(), in the same order on every rank
-_group_checks: dict = defaultdict(itertools.count)  # per set of ranks: its members make its groups in one order
 
 
 def model_device(module: torch.nn.Module) -> torch.device:
@@ -89,7 +80,7 @@ def private_group(group: Optional[dist.ProcessGroup], timeout: float) -> dist.Pr
     outside it keep the same count of groups, in step for their later ones.
     """
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    store_allgather(f"group/{ranks[0]}+{len(ranks)}/{next(_group_checks[tuple(ranks)])}", b"", group, timeout,
+    store_allgather(check_tag("group", group), b"", group, timeout,
                     "bagua_x: making a process group of its own (every rank of the group calls wrap() or "
                     "CommHookState())")
     return dist.new_group(ranks, backend=dist.get_backend(group),
@@ -107,7 +98,7 @@ def check_one_gpu_per_rank(device: torch.device, group: Optional[dist.ProcessGro
         return
     props = torch.cuda.get_device_properties(device)
     uuid = str(getattr(props, "uuid", "")) or f"{socket.gethostname()}/{device.index}"
-    gathered = store_allgather(f"devices/{next(_device_checks)}", encode([uuid, str(device)]), group, timeout,
+    gathered = store_allgather(check_tag("devices", group), encode([uuid, str(device)]), group, timeout,
                                "bagua_x.torch.wrap: checking that each rank has a GPU of its own")
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(gathered)))
     problem = shared_gpus([wire_decode(d, f"rank {r}'s GPU") for r, d in zip(ranks, gathered)], ranks)
@@ -165,20 +156,22 @@ def allgather_bytes(data: bytes, group: Optional[dist.ProcessGroup], device: tor
     return [bytes(row[: int(n)].cpu().numpy()) for row, n in zip(rows, lengths)]
 
 
-def check_same_buckets(buckets: Sequence[Bucket], settings: dict, comm: "TorchCommunicator", context: str,
-                       kind: str = "buckets") -> None:
+def check_same_buckets(buckets: Sequence[Bucket], settings: dict, group: Optional[dist.ProcessGroup],
+                       timeout: Optional[float], context: str, kind: str = "buckets") -> None:
     """Raise the same BaguaXError on every rank if ranks built different buckets (e.g. when rebuilding them).
 
     The descriptions travel through the store, not a collective: a rank that
     does not rebuild at the same moment cannot pair with an unrelated
-    collective, it just fails to arrive within the timeout.
+    collective, it just fails to arrive within ``timeout`` seconds (None: the
+    group's).  ``kind`` counts apart the rebuilds that not every rank's
+    history shares in one order (QAdam's switch, the first-step reorder).
     """
     tensors = [(slot.name, slot.shape, b.dtype) for b in buckets for slot in b.layout.slots]
     layouts = {b.name: b.layout.describe() for b in buckets}
     mine = describe(tensors, {**settings, **layouts})
-    timeout = comm.timeout if comm.timeout is not None else resolve_timeout(None, comm.group)
-    gathered = store_allgather(f"{kind}/{next(_bucket_checks[kind])}", encode(mine), comm.group, timeout, context)
-    ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else range(len(gathered))
+    timeout = resolve_timeout(timeout, group)
+    gathered = store_allgather(check_tag(kind, group), encode(mine), group, timeout, context)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(gathered))
     everyone = [decode_description(data, f"{context}: rank {r}'s description") for r, data in zip(ranks, gathered)]
     check_same_everywhere(everyone, context)
 

@@ -10,8 +10,11 @@ of :mod:`.cuda_compression` instead, which also write the packed bytes directly.
 compiler (no C++ toolchain on a CPU node, no Triton on a GPU one) would only
 show on the communication thread at the first large bucket.  :func:`agree`
 runs at ``wrap()``: every rank compiles a small kernel on the model's device,
-the ranks agree, and if any failed all of them stay eager, with one warning.
-A compile that still fails later falls back to eager in the same way.
+the ranks agree, and only if all succeeded are the compiled kernels installed;
+else all stay eager, with one warning.  Importing bagua_x.torch installs
+nothing.  A compile that still fails later falls back to eager in the same
+way, for the whole process: a compiler that failed once (the toolchain is the
+process's) is not tried again by a later wrap.
 """
 
 from __future__ import annotations
@@ -107,10 +110,12 @@ def probe(device: torch.device) -> Optional[str]:
 
 def agree(comm, device: torch.device, numel: int) -> None:
     """At wrap: compile on every rank where a bucket of ``numel`` elements could use compiled kernels, and
-    keep them only if every rank could (collective: every rank calls it with the same ``numel``)."""
+    install them only if every rank could (collective: every rank calls it with the same ``numel``)."""
     if numel < MIN_NUMEL or _failure is not None:
         return
     why = probe(device)
     ok = torch.tensor([0 if why else 1], dtype=torch.int32, device=device)
     if int(comm.allreduce(ok, ReduceOp.MIN)[0]) == 0:  # once at wrap: the ranks must take the same path
         fall_back(why or "torch.compile failed on another rank")
+    else:
+        install()

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -23,15 +22,9 @@ from ..algorithms.base import Algorithm, two_level_on
 from ..core.comm import Feature
 from ..core.errors import BaguaXError
 from ..core.wire import decode, encode
-from .store import resolve_timeout, store_allgather
-
-if TYPE_CHECKING:
-    from .communicator import TorchCommunicator
+from .store import check_tag, resolve_timeout, store_allgather
 
 __all__ = ["NodeLayout", "agree_on_nodes", "declared_setting"]
-
-# one counter per group of ranks: a check's store keys are unique to its occurrence
-_checks: dict = collections.defaultdict(itertools.count)
 
 _SETTINGS = {True: "True (required)", None: "None (over nodes where there are >= 2 nodes of >= 2 ranks)",
              False: "False (flat)"}
@@ -60,24 +53,25 @@ def declared_setting(algorithm: Algorithm) -> Optional[bool]:
     return None if Feature.HIERARCHICAL in algorithm.uses else False
 
 
-def agree_on_nodes(comm: "TorchCommunicator", setting: Optional[bool],
-                   local_world_size: Optional[int] = None) -> NodeLayout:
-    """This rank's :class:`NodeLayout`, once every rank of ``comm`` agrees on it (collective, no groups made).
+def agree_on_nodes(group: Optional[dist.ProcessGroup], setting: Optional[bool],
+                   local_world_size: Optional[int] = None, timeout: Optional[float] = None) -> NodeLayout:
+    """This rank's :class:`NodeLayout`, once every rank of ``group`` (None: the default one) agrees on it
+    (collective, no groups made).
 
     ``setting`` is the algorithm's ``hierarchical=``; ``local_world_size``
     defaults to ``LOCAL_WORLD_SIZE`` (torchrun's).  Raises the same BaguaXError
     on every rank when they differ, and a BaguaXError naming the missing ranks
-    when some do not arrive within the communicator's timeout.
+    when some do not arrive within ``timeout`` seconds (None: the group's).
     """
-    layout = _layout(comm, setting, local_world_size)
-    ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else list(range(comm.size))
-    nodes = layout.nodes if layout.local >= 1 and comm.size % layout.local == 0 else \
-        f"{comm.size}/{layout.local}, not a whole number"
+    size = dist.get_world_size(group)
+    layout = _layout(group, size, setting, local_world_size)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    nodes = layout.nodes if layout.local >= 1 and size % layout.local == 0 else \
+        f"{size}/{layout.local}, not a whole number"
     mine = [_SETTINGS[setting], layout.local, nodes, "two-level" if layout.two_level else "flat"]
-    timeout = comm.timeout if comm.timeout is not None else resolve_timeout(None, comm.group)
     context = "bagua_x: the ranks' hierarchical settings and node layouts"
-    tag = f"nodes/{ranks[0]}+{len(ranks)}/{next(_checks[tuple(ranks)])}"
-    gathered = store_allgather(tag, encode(mine), comm.group, timeout, context)
+    gathered = store_allgather(check_tag("nodes", group), encode(mine), group, resolve_timeout(timeout, group),
+                               context)
     views = [decode(data, f"{context}: rank {r}'s view") for r, data in zip(ranks, gathered)]
     for r, v in zip(ranks, views):
         if not (isinstance(v, tuple) and len(v) == len(mine)):
@@ -88,16 +82,17 @@ def agree_on_nodes(comm: "TorchCommunicator", setting: Optional[bool],
     return layout
 
 
-def _layout(comm: "TorchCommunicator", setting: Optional[bool], local_world_size: Optional[int]) -> NodeLayout:
-    local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", comm.size))
+def _layout(group: Optional[dist.ProcessGroup], size: int, setting: Optional[bool],
+            local_world_size: Optional[int]) -> NodeLayout:
+    local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", size))
     problem = None
-    if comm.group is not None and dist.get_process_group_ranks(comm.group) != list(range(dist.get_world_size())):
+    if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):
         problem = ("hierarchical algorithms need a process group of every rank in order (the default one, or "
                    "new_group() of all ranks)")
-    elif local < 1 or comm.size % local:
-        problem = (f"world size {comm.size} is not a multiple of LOCAL_WORLD_SIZE={local}; "
+    elif local < 1 or size % local:
+        problem = (f"world size {size} is not a multiple of LOCAL_WORLD_SIZE={local}; "
                    "launch the same number of ranks on every node")
-    return NodeLayout(setting, local, comm.size // local if problem is None else 0, problem)
+    return NodeLayout(setting, local, size // local if problem is None else 0, problem)
 
 
 def _disagreement(ranks: list[int], views: list[tuple]) -> Optional[str]:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import itertools
 import logging
 import threading
 from typing import Optional
@@ -56,7 +55,6 @@ log = logging.getLogger(__name__)
 ANSWER_SECONDS = 2.0  # how long a failing rank waits for the others' counters
 # any other request of a report: a store host that vanished without closing its socket must not hang the rank
 _REQUEST_SECONDS = 5.0
-_inspector_ids = itertools.count()  # engines are created in the same order on every rank
 
 
 def _key(kind: str, rank: int) -> str:
@@ -201,7 +199,9 @@ class StallInspector:
     def __init__(self, group: Optional[dist.ProcessGroup]):
         self._ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         self._me = dist.get_rank()
-        self._name = str(next(_inspector_ids))
+        # the group's name, the same on its every rank (no store request: the store may be gone); engines over one
+        # group share a bucket's count, as every rank made the same engines, so the counts still compare
+        self._name = c10d._get_process_group_name(group if group is not None else dist.group.WORLD)
         _PROGRESS.start()
 
     def launched(self, bucket: Bucket) -> None:

@@ -9,6 +9,9 @@ through the store is bytes that the caller decodes as plain JSON
 
 Keys carry torchrun's restart count: after an elastic restart the store may
 still hold the previous attempt's keys, which must not be read as this one's.
+A check's tag (:func:`check_tag`) is counted in the store, per group and kind
+of check, not in the process: two wraps (each on a process group of its own)
+never share a count, and nothing in a module remembers earlier calls.
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from ..core.errors import BaguaXError
 
-__all__ = ["resolve_timeout", "restart_count", "store_allgather", "store_broadcast"]
-
+__all__ = ["check_tag", "resolve_timeout", "restart_count", "store_allgather", "store_broadcast"]
 
 
 def restart_count() -> int:
@@ -50,14 +52,29 @@ def resolve_timeout(timeout: Union[None, float, datetime.timedelta],
     return seconds
 
 
+def check_tag(kind: str, group: Optional[dist.ProcessGroup]) -> str:
+    """A tag for the next check of ``kind`` over ``group``: the same on every rank of the group that made the
+    same checks of that kind over it before, and never used twice.
+
+    The count is this rank's own key in the store (``store.add``), so it
+    belongs to the group -- torch names a group identically on each of its
+    ranks -- and to the job, not to the process: a second wrap (a new group)
+    counts from the start, and two objects checking over one group never
+    reuse each other's keys.
+    """
+    name = c10d._get_process_group_name(group if group is not None else dist.group.WORLD)
+    count = c10d._get_default_store().add(f"bagua_x/count/{restart_count()}/{name}/{kind}/{dist.get_rank()}", 1)
+    return f"{name}/{kind}/{count}"
+
+
 def store_allgather(tag: str, data: bytes, group: Optional[dist.ProcessGroup], timeout: float,
                     what: str) -> list[bytes]:
     """Every rank's ``data`` through the store (not a collective), waiting at most ``timeout`` seconds.
 
     The caller encodes and decodes (``core.wire``: plain JSON, checked on
     arrival).  Each call must use a ``tag`` unique to the check and to its
-    occurrence (e.g. a rebuild counter), the same on every rank; ``what``
-    starts the error messages.
+    occurrence, the same on every rank (:func:`check_tag`); ``what`` starts
+    the error messages.
     """
     store, ranks, keys = _keys(tag, group)
     store.set(keys[ranks.index(dist.get_rank())], data)

@@ -33,7 +33,7 @@ from .engine.interface import Engine, EngineOptions
 from .engine.momentum import MomentumEngine
 from .engine.node_worker import weight_engine
 from .fault_tolerance import FaultTolerance, ReplicaGroups, Replicas, check_supported, healing_state
-from .integrations.ddp_args import check_ddp_arguments
+from .ddp_args import check_ddp_arguments
 from .node_form import NodeForm
 from .nodes import declared_setting
 from .optim import QAdamOptimizer

@@ -226,9 +226,10 @@ def crafted_pickle_refused(marker):
     out = {}
     if rank == 1:
         group = private_group(None, 20.0)  # wrap's own group, made first
-        agree_on_nodes(bxt.TorchCommunicator(group), False)  # passes wrap's node check, as GradientAllReduce would
+        agree_on_nodes(group, False)  # passes wrap's node check, as GradientAllReduce would
         allgather_bytes(payload, group, torch.device("cpu"))  # where wrap() gathers model descriptions
-        dist.distributed_c10d._get_default_store().set(f"bagua_x/check/{restart_count()}/buckets/0/1", payload)
+        # rank 1's key in rank 0's first bucket check over the default group (named "0"; store.check_tag)
+        dist.distributed_c10d._get_default_store().set(f"bagua_x/check/{restart_count()}/0/buckets/1/1", payload)
         dist.barrier()
         return out
     try:
@@ -236,7 +237,7 @@ def crafted_pickle_refused(marker):
     except BaguaXError as e:
         out["wrap"] = str(e)
     try:
-        check_same_buckets([], {}, bxt.TorchCommunicator(timeout=20), "bucket check")
+        check_same_buckets([], {}, None, 20, "bucket check")
     except BaguaXError as e:
         out["store"] = str(e)
     dist.barrier()

@@ -2,22 +2,38 @@
 work, every rank runs them eager instead of failing."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-import bagua_x.torch  # noqa: F401  (installs the kernels)
 from bagua_x.algorithms import compression
 from bagua_x.algorithms.compression import dequantize, quantize, sum_requantize
+from bagua_x.algorithms.kernels import _COMPILERS
 from bagua_x.torch import kernels
 from bagua_x.torch.kernels import MIN_NUMEL
 
 ENV = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def installed():
+    """What wrap() does where every rank can compile."""
+    kernels.install()
+
+
+def test_importing_bagua_x_torch_installs_no_compiler():
+    code = ("import bagua_x.torch; from bagua_x.algorithms.kernels import _COMPILERS; "
+            "print(sorted(_COMPILERS))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)
+
+
 @pytest.mark.parametrize("rows", [1, 2])  # one row: the header's bytes sit at an odd offset of the buffer
 def test_fused_kernels_are_registered_and_bitwise_equal(rows):
+    assert kernels.NAMESPACE in _COMPILERS
     x = torch.randn(rows, MIN_NUMEL // rows + 3)
     q, mm = quantize(x)
     q0, mm0 = quantize.plain(x)

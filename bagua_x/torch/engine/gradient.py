@@ -168,7 +168,8 @@ class GradientEngine(BackwardEngine):
         if self._plan(tensors) != [[t.name for t in b.tensors] for b in self.buckets]:
             self._build(tensors)  # else the buckets are already these, and their state still fresh or loaded
         check_same_buckets(self.buckets, {"gradient bucket order": "rebuilt" if order else "registration"},
-                           self.comm, "bagua_x: gradient buckets rebuilt in ready order differ across ranks",
+                           self.comm.group, self.comm.timeout,
+                           "bagua_x: gradient buckets rebuilt in ready order differ across ranks",
                            kind="grad_order")
 
     def _mark_unused(self) -> torch.Tensor:

@@ -145,7 +145,7 @@ class MomentumBuckets(BackwardEngine):
             raise BaguaXError(f"parameters {missing} are not in the QAdamOptimizer; give it model.parameters()")
         buckets = build_buckets(tensors, algorithm, comm.size, options.bucket_cap_mb, "momentum_bucket_")
         # buckets are rebuilt here, mid-training: check that every rank rebuilt the same ones at the same step
-        check_same_buckets(buckets, {"QAdam warmup over at step": optimizer.step_id}, comm,
+        check_same_buckets(buckets, {"QAdam warmup over at step": optimizer.step_id}, comm.group, comm.timeout,
                            "bagua_x QAdam: momentum buckets built at the end of warmup differ across ranks")
         for b in buckets:
             b.flatten()

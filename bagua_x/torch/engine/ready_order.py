@@ -24,19 +24,16 @@ resumed from a checkpoint rebuilds the same buckets before its first step.
 
 from __future__ import annotations
 
-import itertools
 from typing import Optional, Sequence
 
 from ...core.errors import BaguaXError
 from ...core.tensor import RegisteredTensor
 from ...core.wire import decode, encode
-from ..store import resolve_timeout, store_broadcast
+from ..store import check_tag, resolve_timeout, store_broadcast
 
 __all__ = ["ORDER_KEY", "OrderRecorder", "complete_order", "agree_on_order", "check_order", "ordered"]
 
 ORDER_KEY = "bucket_order"  # in GradientEngine.state_dict(): the tensor names in bucket order, once rebuilt
-
-_exchanges = itertools.count()  # engines rebuild in the same order on every rank
 
 
 class OrderRecorder:
@@ -71,7 +68,7 @@ def agree_on_order(mine: list[str], comm, tensors: Sequence[RegisteredTensor]) -
     """Rank 0's ``mine`` on every rank (others' are ignored), checked to be an order of ``tensors``."""
     what = "bagua_x: rebuilding gradient buckets in the order of the first backward"
     timeout = comm.timeout if comm.timeout is not None else resolve_timeout(None, comm.group)
-    data = store_broadcast(f"bucket_order/{next(_exchanges)}", encode(mine) if comm.rank == 0 else None,
+    data = store_broadcast(check_tag("bucket_order", comm.group), encode(mine) if comm.rank == 0 else None,
                            comm.group, timeout, what)
     return check_order(decode(data, f"{what}: rank 0's order"), tensors, f"{what}: rank 0's order")
 

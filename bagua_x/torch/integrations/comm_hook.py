@@ -67,7 +67,7 @@ from ...algorithms.base import Algorithm, Phase, Target, initial_state, state_fr
 from ...core.bucket import BucketLayout
 from ...core.comm import Feature
 from ...core.errors import BaguaXError
-from .. import streams
+from .. import kernels, streams
 from ..communicator import TorchCommunicator
 from ..distributed import private_group
 from ..engine.base import reduce_in_place
@@ -120,6 +120,7 @@ class CommHookState:
         self.algorithm = algorithm
         timeout = resolve_timeout(timeout, process_group)
         self.comm = TorchCommunicator(private_group(process_group, timeout), timeout=timeout)
+        kernels.install()  # as wrap does where every rank can compile (here a failure falls back per rank)
         #: DDP bucket index -> (its parameters' positions, its layout, its algorithm state)
         self.buckets: "dict[int, tuple[tuple[int, ...], BucketLayout, NamedTuple]]" = {}
         #: parameter position -> its state while in no bucket (left behind by DDP's regrouping: a NamedTuple;

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from ...core.errors import BaguaXError
+from ..core.errors import BaguaXError
 
 __all__ = ["check_ddp_arguments"]
 
