@@ -50,6 +50,7 @@ def train(algo_name: str, args, data) -> dict:
 
     import bagua_x.jax as bxj
     from bagua_x.algorithms import Phase, Target
+    from ..core.autotune import StepTrial
 
     from .algorithms import make
     from .data import rank_batches
@@ -65,7 +66,7 @@ def train(algo_name: str, args, data) -> dict:
     params = init_mlp(jax.random.PRNGKey(args.seed + rank), args.hidden)  # apart: replicate() broadcasts process 0's
     algorithm = make(algo_name, args.steps)
     dp = bxj.wrap(params, algorithm=algorithm, axis_name="batch")
-    plan = plan_for(algorithm, args, args.reference.get(algo_name), trial_steps=0)
+    plan = plan_for(algorithm, args, args.reference.get(algo_name), StepTrial().steps if algorithm.timed_form else 0)
     tx = dp.optimizer() if algorithm.target is Target.MOMENTUM else optax.sgd(args.lr, momentum=0.9)
     # each call communicates for one target and refuses the others: gradients here, weights
     # before (decentralized: x <- avg(x_t), then the gradient taken at x_t) or after the update
@@ -84,7 +85,8 @@ def train(algo_name: str, args, data) -> dict:
             params, state = dp.sync_params(params, state)
         return params, opt_state, state, loss
 
-    pstep = jax.pmap(step, axis_name="batch")
+    # dp.step: the host decides what the step compiles (the form on nodes, after its trial; DiLoCo's sync steps)
+    pstep = dp.step(jax.pmap(step, axis_name="batch"))
     correct = jax.jit(lambda p: (logits(p, x_eval).argmax(1) == y_eval).sum())
     params = dp.replicate(params)
     opt_state = jax.pmap(tx.init)(params)

@@ -103,8 +103,8 @@ class Bucket:
         self.layout = BucketLayout([t.name for t in tensors], [i.shape for i in infos], first.dtype, alignment)
         self.dtype, self.device, self.itemsize = first.dtype, first.device, first.itemsize
         self.buffer = None
-        self._ready: set[str] = set()
-        self.on_ready: Optional[Callable[["Bucket"], None]] = None
+        #: set by a :class:`~.readiness.BucketDispatcher`: called with each tensor marked ready
+        self.on_ready: Optional[Callable[[RegisteredTensor], None]] = None
         for t, slot in zip(self.tensors, self.layout.slots):
             t.bucket, t.offset = self, slot.offset
 
@@ -171,25 +171,14 @@ class Bucket:
                 check_writable(target, t.name)
                 target[...] = value
 
-    # -- readiness --------------------------------------------------------------------------
     def mark_ready(self, tensor: RegisteredTensor) -> None:
+        """Tell the bucket's dispatcher (:mod:`.readiness`, which counts readiness) that ``tensor`` is final."""
         if tensor.bucket is not self:
             raise BaguaXError(f"tensor {tensor.name!r} is not in bucket {self.name!r}")
-        if tensor.name in self._ready:
-            return
-        self._ready.add(tensor.name)
-        if self.ready and self.on_ready is not None:
-            self.on_ready(self)
-
-    @property
-    def ready(self) -> bool:
-        return len(self._ready) == len(self.tensors)
-
-    def not_ready(self) -> list[str]:
-        return [t.name for t in self.tensors if t.name not in self._ready]
-
-    def reset_ready(self) -> None:
-        self._ready.clear()
+        if self.on_ready is None:
+            raise BaguaXError(f"tensor {tensor.name!r} was marked ready, but bucket {self.name!r} has no "
+                              "dispatcher to count it; make a bagua_x.core.BucketDispatcher over the buckets first")
+        self.on_ready(tensor)
 
 
 def plan_buckets(entries: Sequence[tuple[str, str, int]], cap_bytes: float) -> list[list[int]]:

@@ -4,7 +4,7 @@ Each keyword is either honoured or refused here, before any collective, with
 the reason it does not apply: bagua_x runs one process per device on the
 device the parameters are on and always keeps gradients as bucket views.
 ``static_graph`` needs no check: the backward engines honour it
-(:mod:`..engine.ready_counts`).
+(:mod:`bagua_x.core.readiness`).
 """
 
 from typing import Any, Optional, Sequence, Union

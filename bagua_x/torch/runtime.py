@@ -56,7 +56,7 @@ class CommWorker:
     """One background thread that runs communication jobs in submission order, on a CUDA stream of its own.
 
     A single thread keeps collectives in the same order on every rank (the
-    order the main thread submits them in, which BucketDispatcher fixes) while
+    order the main thread submits them in, which core.readiness fixes) while
     letting them overlap with backward on the main thread.
 
     Streams (:mod:`.streams`, as DDP's reducer): :meth:`submit` records an

@@ -22,25 +22,21 @@ The rules (DDP's reducer follows the same ones):
   CUDA-aware one (:func:`future`): completed while the producing stream is
   current, its consumers' streams wait for that stream's work.
 
-``TRACE``: when a test sets it to a list, every call appends
-``(operation, stream name)``, on the CPU too, so tests check the order of the
-stream operations on machines without a GPU.
+Callers reach these functions through the module (``streams.record(...)``),
+so a test can trace them by replacing the module's functions, on the CPU too
+(``tests/torch/bx_stream_workers.py``): nothing here checks for a tracer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from typing import Any, Optional
 
 import torch
 
 __all__ = ["Stream", "current", "side", "record", "mark", "wait", "wait_stream", "use", "keep_for", "set_device", "done",
-           "future", "TRACE"]
-
-TRACE: Optional[list] = None
-_TRACE_LOCK = threading.Lock()
+           "future"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +45,6 @@ class Stream:
 
     name: str
     cuda: Optional[Any] = None
-
-
-def _trace(op: str, stream: Stream) -> None:
-    if TRACE is not None:
-        with _TRACE_LOCK:
-            TRACE.append((op, stream.name))
 
 
 def current(device: torch.device) -> Stream:
@@ -69,17 +59,16 @@ def side(device: torch.device, name: str) -> Stream:
 
 def record(stream: Stream) -> Optional[Any]:
     """An event marking the work queued on ``stream`` so far (None on the CPU)."""
-    return _event(stream, "record")
+    return _event(stream)
 
 
 def mark(stream: Stream) -> Optional[Any]:
     """:func:`record`, called by a thread that does not queue work on ``stream`` (traced as "mark"): the
     training thread marking how far the communication it waited for goes, to bound its run-ahead."""
-    return _event(stream, "mark")
+    return _event(stream)
 
 
-def _event(stream: Stream, op: str) -> Optional[Any]:
-    _trace(op, stream)
+def _event(stream: Stream) -> Optional[Any]:
     if stream.cuda is None:
         return None
     event = torch.cuda.Event()
@@ -89,28 +78,24 @@ def _event(stream: Stream, op: str) -> Optional[Any]:
 
 def wait(stream: Stream, event: Optional[Any]) -> None:
     """Work queued on ``stream`` from now on starts after ``event`` (a no-op for None: nothing to wait for)."""
-    _trace("wait", stream)
     if stream.cuda is not None and event is not None:
         stream.cuda.wait_event(event)
 
 
 def wait_stream(stream: Stream, other: Stream) -> None:
     """Work queued on ``stream`` from now on starts after everything queued on ``other`` so far."""
-    _trace(f"wait_stream {other.name}", stream)
     if stream.cuda is not None and other.cuda is not None:
         stream.cuda.wait_stream(other.cuda)
 
 
 def use(stream: Stream):
     """Context in which kernels of the calling thread are queued on ``stream``."""
-    _trace("use", stream)
     return torch.cuda.stream(stream.cuda) if stream.cuda is not None else contextlib.nullcontext()
 
 
 def keep_for(tensor: torch.Tensor, stream: Stream) -> None:
     """``tensor``'s memory is not reused before the work queued on ``stream`` up to its release is done
     (``record_stream``: marked once, where it is made, whichever thread drops it later)."""
-    _trace("keep_for", stream)
     if stream.cuda is not None and tensor.is_cuda:
         tensor.record_stream(stream.cuda)
 

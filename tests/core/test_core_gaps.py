@@ -30,17 +30,17 @@ def test_unfinished_dispatch_message_and_reset():
     assert order == ["b0", "b1"] and d.all_dispatched and d.pending() == []
     d.check_all_dispatched()
     d.reset()
-    assert [b.ready for b in buckets] == [False, False] and d.unready_tensors() == tensors
+    assert d.unready_tensors() == tensors and d.pending() == buckets
     tensors[0].mark_ready()
     assert order == ["b0", "b1", "b0"]
 
 
-def test_bucket_without_dispatcher_becomes_ready_silently():
+def test_marking_ready_without_a_dispatcher_is_refused():
     t = np_grad_tensor("t", {"g": np.zeros(2, np.float32)})
     b = Bucket("b", [t])
     assert b.on_ready is None and b.buffer is None
-    t.mark_ready()
-    assert b.ready and b.not_ready() == []
+    with pytest.raises(BaguaXError, match="^tensor 't' was marked ready, but bucket 'b' has no dispatcher"):
+        t.mark_ready()
 
 
 def test_mark_ready_in_another_bucket_is_refused():

@@ -1,6 +1,6 @@
 """Worker functions for the stream-order and device-deadline tests (import name ``bx_stream_workers``).
 
-Each trains a few steps on a real gloo rank with ``bagua_x.torch.streams.TRACE`` on and returns the
+Each trains a few steps on a real gloo rank with the stream functions traced (``stream_trace``) and returns the
 stream operations asked for, in order (the stream layer does nothing else on the CPU).
 """
 
@@ -32,10 +32,10 @@ def stream_order(kind, steps=3):
 
     import bagua_x.torch as bxt
     from bagua_x import algorithms
-    from bagua_x.torch import streams
+    from stream_trace import start_tracing, stop_tracing
 
     rank = _init()
-    streams.TRACE = []
+    trace = start_tracing()
     model = _model()
     if kind == "hook":
         state = bxt.CommHookState(algorithms.GradientAllReduce())
@@ -57,7 +57,7 @@ def stream_order(kind, steps=3):
         opt.step()
     if kind == "hook":
         state.close()  # its thread may still be recording the last completion event after DDP has the result
-    trace, streams.TRACE = streams.TRACE, None
+    stop_tracing()
     return {"trace": trace, "buckets": len(wrapped._engine.buckets) if kind != "hook" else None}
 
 
@@ -82,7 +82,7 @@ def device_deadline(timeout=3.0, seconds=12.0):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     wrapped = bxt.wrap(model, opt, timeout=timeout)
-    streams.record = lambda stream: (streams._trace("record", stream), NeverDone())[1]
+    streams.record = lambda stream: NeverDone()
     start = time.monotonic()
     try:
         wrapped(torch.randn(8, 16)).square().sum().backward()
@@ -146,7 +146,7 @@ def hook_deadline(timeout=3.0):
     state = bxt.CommHookState(algorithms.GradientAllReduce(), timeout=timeout)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ddp.register_comm_hook(state, bxt.comm_hook)
-    streams.record = lambda stream: (streams._trace("record", stream), NeverDone())[1]
+    streams.record = lambda stream: NeverDone()
     ddp(torch.randn(8, 16)).square().sum().backward()
     start = time.monotonic()
     time.sleep(timeout + 1)

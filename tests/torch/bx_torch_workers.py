@@ -373,17 +373,17 @@ def kernels_agree(broken_rank):
 
 
 def async_average_stream_order(steps=30):
-    """AsyncModelAverage with bagua_x.torch.streams.TRACE on: the stream operations each thread asked for."""
+    """AsyncModelAverage with the stream functions traced: the stream operations each thread asked for."""
     import time
 
     import torch
 
     import bagua_x.torch as bxt
     from bagua_x.algorithms import AsyncModelAverage
-    from bagua_x.torch import streams
+    from stream_trace import start_tracing, stop_tracing
 
     rank, _ = init()
-    streams.TRACE = []
+    trace = start_tracing()
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -394,7 +394,7 @@ def async_average_stream_order(steps=30):
         opt.step()
         time.sleep(0.004)
     wrapped.abort()
-    trace, streams.TRACE = streams.TRACE, None
+    stop_tracing()
     return {"trace": trace, "rounds": wrapped._engine.rounds}
 
 
@@ -409,7 +409,7 @@ def async_average_state_dict(hold=0.5):
 
     import bagua_x.torch as bxt
     from bagua_x.algorithms import AsyncModelAverage
-    from bagua_x.torch import streams
+    from stream_trace import start_tracing, stop_tracing
 
     init()
     torch.manual_seed(0)
@@ -427,10 +427,10 @@ def async_average_state_dict(hold=0.5):
         waited = reader.is_alive()
     reader.join(10)
     live = {n: p.data_ptr() for n, p in model.state_dict().items()}
-    streams.TRACE = []
+    trace = start_tracing()
     with wrapped.weights_locked():
         locked = engine._lock.locked()
-    trace, streams.TRACE = streams.TRACE, None
+    stop_tracing()
     wrapped.abort()
     return {"waited": waited, "returned": not reader.is_alive(), "keys": sorted(got) == sorted(live),
             "copies": all(v.data_ptr() != live[n] for n, v in got.items()), "locked": locked,

@@ -1,5 +1,5 @@
-"""The torch engines' CUDA stream protocol, checked on the CPU through ``streams.TRACE``, and the deadline
-that bounds waits when a collective's ``wait()`` returns at once (NCCL)."""
+"""The torch engines' CUDA stream protocol, checked on the CPU by tracing the stream functions
+(``stream_trace``), and the deadline that bounds waits when a collective's ``wait()`` returns at once (NCCL)."""
 
 import os
 

@@ -3,6 +3,7 @@
 ``interface`` (what the wrapper sees), ``base`` (the bucket lifecycle written
 once), the engines ``gradient``, ``weight``, ``momentum`` and ``background``,
 and the pieces the backward engines share: ``registration`` (parameters into
-buckets), ``ready_counts`` (when a gradient is final, which buckets may go)
-and ``ready_order`` (buckets rebuilt in the first backward's order).
+buckets) and ``ready_order`` (buckets rebuilt in the first backward's order);
+when a gradient is final and which buckets may go is core's
+(:mod:`bagua_x.core.readiness`).
 """

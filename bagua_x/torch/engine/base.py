@@ -11,7 +11,7 @@ stream rules live there and in :mod:`..streams`).  It runs a bucket's
 :class:`BackwardEngine` adds what engines that communicate *during backward*
 share (gradients; QAdam's momentum): a hook per tensor (registered by
 :class:`~..runtime.BackwardHooks`, called with the tensor's index), one owner
-of readiness (:class:`~.ready_counts.ReadyCounts`: when a gradient is final,
+of readiness (:class:`~bagua_x.core.readiness.ReadyCounts`: when a gradient is final,
 which buckets may be launched, in list order), the end of backward waits for
 them (until all are launched; then the caller's stream waits for the
 communication stream), and a backward that raised before its end is settled
@@ -38,13 +38,13 @@ import torch
 from ...algorithms.base import Algorithm
 from ...core.bucket import Bucket
 from ...core.errors import BaguaXError
+from ...core.readiness import ReadyCounts
 from ...core.tensor import RegisteredTensor
 from ..checks import check_finite, non_finite_tensors
 from ..communicator import TorchCommunicator
 from ..runtime import BackwardHooks, CommWorker
 from ..stall import StallInspector
 from .interface import EngineOptions
-from .ready_counts import ReadyCounts
 from .registration import keep_state_for, load_states, state_dict_of
 
 __all__ = ["BucketSlot", "BucketedEngine", "BackwardEngine", "reduce_in_place"]
@@ -153,7 +153,7 @@ class BackwardEngine(BucketedEngine):
                 self._on_ready(i)
 
     def _on_ready(self, i: int) -> None:
-        """Tensor ``i``'s gradient is final in this backward (its hook's last firing, see :mod:`.ready_counts`):
+        """Tensor ``i``'s gradient is final in this backward (its hook's last firing, see core/readiness.py):
         make its effective tensor final (its bucket's view: what is communicated is never stale), then
         ``self._mark_ready(i)``."""
         raise NotImplementedError

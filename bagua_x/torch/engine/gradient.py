@@ -3,7 +3,7 @@
 Each gradient is a view of its bucket's flat buffer (like DDP's
 ``gradient_as_bucket_view``), so autograd accumulates straight into the
 buffer and communicating it needs no copy.  A post-accumulate-grad hook marks
-a parameter ready; when a bucket is complete, BucketDispatcher hands it (in
+a parameter ready; when a bucket is complete, ReadyCounts releases it (in
 the same fixed order on every rank) to one communication thread that runs the
 algorithm while backward goes on.  On CUDA the thread's stream first waits
 for an event recorded in the hook on the stream that produced the gradients,

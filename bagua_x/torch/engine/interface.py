@@ -47,7 +47,7 @@ class EngineOptions:
     optimizer: Optional[torch.optim.Optimizer] = None
     find_unused_parameters: bool = False
     check_finite: bool = False
-    static_graph: bool = False  # backward engines: hook firings per backward learnt once (see .ready_counts)
+    static_graph: bool = False  # backward engines: hook firings per backward learnt once (see core/readiness.py)
     #: fault-tolerant replica groups (:class:`~..fault_tolerance.Replicas`): a weight algorithm's exchange between
     #: nodes is begun (quorum, healing) and committed or rolled back with them; gradient buckets keep the
     #: registration order, the one a restarted node also has (a ready order is each node's own)

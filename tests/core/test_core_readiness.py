@@ -1,11 +1,11 @@
-"""Backward readiness (engine/ready_counts.py), in one process: when a gradient is final (the counts learnt under
+"""Readiness (core/readiness.py), in one process: when a gradient is final (the counts learnt under
 static_graph, each refusal naming the parameter) and which buckets may be launched (in list order only).
 The training itself, against DDP(static_graph=True) on 2 gloo ranks: test_torch_ddp_keywords.py."""
 
 import pytest
 
 from bagua_x.core import BaguaXError
-from bagua_x.torch.engine.ready_counts import ReadyCounts
+from bagua_x.core.readiness import ReadyCounts
 
 HEAD, SHARED = 0, 1
 
