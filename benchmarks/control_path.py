@@ -11,8 +11,9 @@ one that rebuilds the buckets).  Printed:
   thread (``sys.setprofile`` / ``threading.setprofile``), per file;
 * the path of the gradient that completes a bucket: the frames from its hook
   (the first bagua_x frame autograd calls) to the hand-off to the
-  communication thread (``CommWorker.submit``), and from the thread's job to
-  the collective (``TorchCommunicator.allreduce``), with the files they lie in.
+  communication thread (``CommWorker.submit``), and from the thread's loop
+  (``CommWorker._run``) to the collective (``TorchCommunicator.allreduce``),
+  with the files they lie in, and the two together end to end.
 
 The counts are exact and do not depend on the machine's load (no timings).
 """
@@ -70,11 +71,10 @@ class Profiler:
             self.calls[_short(frame.f_code)] += 1
             self.threads[threading.current_thread().name] += 1
         name = frame.f_code.co_name
-        if name == "submit" and _short(frame.f_code).endswith("runtime.py") and not self.to_submit:
+        if name == "submit" and _short(frame.f_code).endswith("comm_thread.py") and not self.to_submit:
             self.to_submit = _path(frame, lambda f: False)
         elif name == "allreduce" and _short(frame.f_code).endswith("communicator.py") and not self.to_collective:
-            # from the job the communication thread runs (its loop and its bookkeeping excluded)
-            self.to_collective = _path(frame, lambda f: f.f_code.co_name in ("_execute", "_run"))
+            self.to_collective = _path(frame, lambda f: False)  # from the thread's loop
 
 
 def main() -> None:
@@ -106,7 +106,8 @@ def main() -> None:
     print(f"bagua_x calls per backward: {total:.0f}")
     for name, n in [*prof.threads.most_common(), *prof.calls.most_common()]:
         print(f"  {n / STEPS:6.1f}  {name}")
-    for title, path in (("hook -> hand-off", prof.to_submit), ("thread -> collective", prof.to_collective)):
+    for title, path in (("hook -> hand-off", prof.to_submit), ("thread -> collective", prof.to_collective),
+                        ("end to end", prof.to_submit + prof.to_collective)):
         files = sorted({p.split(":")[0] for p in path})
         print(f"{title}: {len(path)} frames in {len(files)} files {files}")
         for p in path:

@@ -23,7 +23,6 @@ Under ``shard_map`` there are no node groups: the step runs flat and ``dp.step``
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -62,11 +61,11 @@ class FormState:
     form last run, ``UNDECIDED``), which a checkpoint keeps.
     """
 
-    def __init__(self, hierarchical: Any, state: Any, owner: int, over_nodes: bool = False):
+    def __init__(self, hierarchical: Any, state: Any, owner: object, over_nodes: bool = False):
         self.hierarchical, self.state, self.owner, self.over_nodes = hierarchical, state, owner, bool(over_nodes)
 
     def __repr__(self) -> str:
-        return (f"FormState(hierarchical={self.hierarchical!r}, state={self.state!r}, owner={self.owner}, "
+        return (f"FormState(hierarchical={self.hierarchical!r}, state={self.state!r}, owner={id(self.owner):#x}, "
                 f"over_nodes={self.over_nodes})")
 
     def tree_flatten_with_keys(self):
@@ -161,9 +160,6 @@ def _unstored(fn: Callable, algorithm: Algorithm, *args) -> tuple:
     return out, storable(state)
 
 
-_owners = itertools.count()  # StepForms.owner: one per wrap whose form a trial decides, in this process
-
-
 class StepForms:
     """``dp.step``'s trial: its first steps alternate the forms, timed, then every process keeps the faster.
 
@@ -185,7 +181,7 @@ class StepForms:
 
     def __init__(self, algorithm: Algorithm, axis_name, topology: str):
         self.algorithm, self.axis_name, self.topology = algorithm, axis_name, topology
-        self.owner = next(_owners)  # the FormState.owner of this wrap's states
+        self.owner = object()  # the FormState.owner of this wrap's states: equal to no other wrap's
         self.done = False  # the states carry their form: nothing more to write
         self._stopping = False  # the call under way is the last one written
         #: set while the step is traced: whether it holds both forms (node groups); None: not traced yet

@@ -43,7 +43,6 @@ In one process there is nobody to wait for: the watchdog only bounds the step ti
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import sys
@@ -60,9 +59,6 @@ log = logging.getLogger(__name__)
 EXIT_STATUS = 1
 FIRST_STEP_TIMEOUT = 600.0  # seconds: the least the first step, which compiles, is given by default
 READ_TIMEOUT = 5.0  # seconds to wait for the other processes' steps once a report is due
-
-_ids = itertools.count()  # watchdogs are created in the same order on every process (wrap is collective)
-
 
 def _distributed_client():
     """JAX's key-value client, or None in a single-process run (no public accessor in jax 0.10)."""
@@ -85,7 +81,7 @@ class StepWatchdog:
                                         else first_step_timeout)
         self.process, self.processes = jax.process_index(), jax.process_count()
         self._client = _distributed_client() if self.processes > 1 else None
-        self._prefix = f"bagua_x/jax_step/{next(_ids)}/"
+        self._prefix = f"bagua_x/jax_step/{self._count()}/" if self._client is not None else None
         self._exit = exit
         self._lock = threading.Lock()
         self._step = 0  # steps entered so far; the current (or last) one
@@ -93,6 +89,18 @@ class StepWatchdog:
         self._failure: Optional[str] = None  # why the current step failed, once it has
         self._thread: Optional[threading.Thread] = None
         self._to_publish = threading.Condition(self._lock)
+
+    def _count(self) -> int:
+        """How many watchdogs this process has made in this job, this one included: the same on every process,
+        as wraps are made in one order (wrap is collective), and kept in the job's key-value store under the
+        process's own key, not in a module."""
+        key = f"bagua_x/count/jax_step/{self.process}"
+        try:
+            count = int(self._client.key_value_try_get(key)) + 1
+        except Exception:  # noqa: BLE001 -- NOT_FOUND: the process's first watchdog
+            count = 1
+        self._client.key_value_set(key, str(count), allow_overwrite=True)
+        return count
 
     @property
     def step(self) -> int:

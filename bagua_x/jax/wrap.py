@@ -2,7 +2,7 @@
 
 ``wrap(params)`` registers every floating leaf under its key path (the proxy:
 JAX arrays are immutable, so the path is what stays fixed), groups the leaves
-into buckets per dtype (``plan_buckets``) and checks that every process wrapped
+into buckets per dtype (:class:`~.leaf_plan.LeafPlan`) and checks that every process wrapped
 the same tree.  Inside the pmapped / shard_mapped step, ``reduce_gradients``
 and ``sync_params`` pack each bucket into one flat array, run the algorithm on
 it through an :class:`AxisCommunicator` and unpack; under ``jit`` XLA fuses the
@@ -22,23 +22,23 @@ one exception: ``reduce_gradients`` with a weight algorithm that declares
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..algorithms import Algorithm, EmptyState, GradientAllReduce, Phase, Target
 from ..algorithms.base import initial_state
-from ..core.bucket import BucketLayout, plan_buckets
+from ..core.bucket import BucketLayout
 from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
 from ..core.validation import describe
-from .checks import (FiniteCheck, check_leaf_dtype, check_registrable, check_stacked, check_state_stacked,
-                     refuse_invariant, refuse_jit_level)
+from .checks import FiniteCheck, check_stacked, check_state_stacked, refuse_invariant, refuse_jit_level
 from .communicator import AxisCommunicator, default_local_size
 from .distributed import check_same_across_processes
+from .leaf_plan import LeafPlan
 from .mesh_step import Layout, axis_bound, per_device, shard_over, step_mesh
 from .node_form import StepForms, decided_by_trial, form_topology, run_in_form, storable, with_form
 from .placement import check_mesh_axis, context_mesh, mesh_axis_size
@@ -56,11 +56,60 @@ SMALL_LEAF_BYTES = 128 * 1024  # in one process, trees of leaves this small on a
 
 
 class DataParallel:
-    """What ``wrap`` returns; see :func:`wrap`."""
+    """A params pytree made data parallel with ``algorithm`` (made by :func:`wrap`).
+
+    In a multi-process run, every process must call ``wrap`` with the same
+    tree (checked across processes, JSON only).  Inside the step, call
+    :meth:`DataParallel.reduce_gradients` / :meth:`DataParallel.sync_params`,
+    or use the optax forms :meth:`DataParallel.gradient_transformation` and
+    :meth:`DataParallel.optimizer` (QAdam).
+
+    Args:
+        params: the params pytree; its key paths name the leaves in every message.
+        algorithm: default :class:`~bagua_x.algorithms.GradientAllReduce`.
+        axis_name: the ``pmap`` / ``shard_map`` axis the step runs over; on a 2-D
+            mesh a tuple ``("node", "local")``: nodes along the first axis, a
+            node's devices along the second, the two levels of the hierarchical
+            algorithms (:class:`~.communicator.AxisCommunicator`).
+        bucket_cap_mb: the largest bucket (leaves are packed per dtype up to it).
+        world_size: the axis size (default: that of ``mesh``, else ``jax.device_count()``, all devices of
+            all processes: call :func:`~.distributed.init_distributed` before ``wrap``).
+        pack_buckets: one collective per bucket (True) or per leaf (False);
+            default automatic.  Algorithms that need padding always pack.
+        timeout: seconds (default off): a step run through
+            :meth:`DataParallel.step` that does not finish in time ends the
+            process with a report (which processes never arrived), so an elastic
+            launcher can restart the job.  It must stay 10 s below JAX's heartbeat
+            timeout (:func:`~.distributed.init_distributed`).  Only a step still running is
+            reported: one that raises (and Ctrl-C) leaves the process alive.
+        check_finite: raise a BaguaXError naming the leaves when a reduced value
+            is NaN or inf, on every process at the same step (:mod:`.checks`).
+        devices_per_node: groups the axis into nodes for the hierarchical
+            algorithms (default: this process's devices times torchrun's
+            ``LOCAL_WORLD_SIZE``), which run in two levels under ``pmap`` with
+            >= 2 nodes.  With >= 2 devices per node, ``hierarchical=None`` takes
+            the faster form: the first 12 steps through :meth:`DataParallel.step`
+            time whole steps in each and decide (until then, and without ``dp.step``,
+            the step runs flat); the choice is part of the state (``init``), so a
+            restored state keeps its form through ``dp.step`` (:mod:`.node_form`).
+            Where there are no node groups (``shard_map``: JAX has
+            no grouped collectives there; a ``devices_per_node`` that does not
+            divide the axis) the default ``hierarchical=None`` runs flat and
+            ``hierarchical=True`` is refused when the step is traced.
+        first_step_timeout: the first step's limit under ``timeout``: it traces
+            and compiles the program (default: the larger of ``timeout`` and
+            600 s); a later call that compiles again (new input shapes) has ``timeout``.
+        mesh: the mesh whose ``axis_name`` axis the step-side calls shard over when
+            called at jit level (:meth:`DataParallel.value_and_grad`), and where
+            ``replicate`` / ``init`` lay trees out (default: the mesh of
+            ``jax.set_mesh`` around each call); ``world_size`` defaults to that axis's size.
+
+    """
 
     def __init__(
         self,
         params: Any,
+        *,
         algorithm: Optional[Algorithm] = None,
         axis_name: Hashable = "batch",
         bucket_cap_mb: float = 25.0,
@@ -87,27 +136,7 @@ class DataParallel:
         if world_size is None:
             world_size = mesh_axis_size(mesh, axis_name) if mesh is not None else jax.device_count()
         self.world_size = int(world_size)
-        flat, self._treedef = jax.tree_util.tree_flatten_with_path(params)
-        self.names = [jax.tree_util.keystr(path) for path, _ in flat]
-        self._shapes = [tuple(np.shape(x)) for _, x in flat]
-        self._dtypes = [jnp.result_type(x) for _, x in flat]
-        check_registrable(self.names, self._dtypes)
-        registered = [i for i, d in enumerate(self._dtypes) if jnp.issubdtype(d, jnp.inexact)]
-        skipped = sorted(set(self.names) - {self.names[i] for i in registered})
-        if skipped:
-            logger.info("bagua_x.jax.wrap: leaving non-float leaves untouched: %s", skipped)
-        entries = [
-            (str(self._dtypes[i]), self.names[i], int(np.prod(self._shapes[i])) * self._dtypes[i].itemsize)
-            for i in registered
-        ]
-        alignment = self.algorithm.alignment(self.world_size)
-        #: each bucket's leaves, as indices into the flattened params tree (``names``)
-        self.bucket_leaves: list[list[int]] = [[registered[j] for j in b]
-                                               for b in plan_buckets(entries, bucket_cap_mb * 2**20)]
-        self.layouts = [
-            BucketLayout([self.names[i] for i in b], [self._shapes[i] for i in b], str(self._dtypes[b[0]]), alignment)
-            for b in self.bucket_leaves
-        ]
+        self.plan = LeafPlan.of(params, self.algorithm.alignment(self.world_size), bucket_cap_mb)
         per_leaf_ok = self.algorithm.elementwise
         if pack_buckets is False and not per_leaf_ok:
             raise BaguaXError(
@@ -118,15 +147,15 @@ class DataParallel:
             # XLA's allreduce of large leaves beats the pack/unpack copies, while small leaves pay
             # more per collective than the copies cost (benchmarks/jax_vs_pmean.py, 4 CPU devices:
             # packed 0.5-0.75x per-leaf time for 16-64 KiB leaves, 1.7x for 256 KiB ones).
-            mean_leaf = sum(e[2] for e in entries) / max(len(entries), 1)
-            pack_buckets = not (per_leaf_ok and jax.process_count() == 1 and mean_leaf >= SMALL_LEAF_BYTES)
+            pack_buckets = not (per_leaf_ok and jax.process_count() == 1
+                                and self.plan.mean_leaf_bytes() >= SMALL_LEAF_BYTES)
         self.pack_buckets = bool(pack_buckets)
         self._initial = params
-        self._finite = FiniteCheck(self.names) if check_finite else None
+        self._finite = FiniteCheck(self.plan.names) if check_finite else None
         check_timeouts(timeout, first_step_timeout)
         check_same_across_processes(
             describe(
-                zip(self.names, self._shapes, map(str, self._dtypes)),
+                zip(self.plan.names, self.plan.shapes, map(str, self.plan.dtypes)),
                 {**self.algorithm.hyperparameters(), "axis_name": repr(axis_name), "bucket_cap_mb": bucket_cap_mb,
                  "world_size": self.world_size, "timeout": timeout, "first_step_timeout": first_step_timeout,
                  "check_finite": bool(check_finite),
@@ -135,8 +164,8 @@ class DataParallel:
             ),
             "bagua_x.jax.wrap: the params trees or settings differ across processes",
         )
-        if not registered:  # after the check above: every process raises alike, none waits for the others
-            found = ", ".join(f"{n} ({d})" for n, d in zip(self.names, self._dtypes)) or "no leaves at all"
+        if not self.plan.registered:  # after the check above: every process raises alike, none waits for the others
+            found = ", ".join(f"{n} ({d})" for n, d in zip(self.plan.names, self.plan.dtypes)) or "no leaves at all"
             raise BaguaXError(
                 f"bagua_x.jax.wrap: the params tree has no float leaf to communicate ({found}); wrap the tree of "
                 "trainable float parameters (flax: nnx.state(model, nnx.Param))"
@@ -151,9 +180,24 @@ class DataParallel:
                                 branches=self.algorithm.branch_key(0) is not None)
         logger.info(
             "bagua_x.jax.wrap: %d leaves in %d buckets, %s, world size %d%s",
-            len(flat), len(self.bucket_leaves), self.algorithm.hyperparameters(), self.world_size,
+            len(self.names), len(self.bucket_leaves), self.algorithm.hyperparameters(), self.world_size,
             "" if self.pack_buckets else " (per-leaf collectives in one process)",
         )
+
+    @property
+    def names(self) -> list[str]:
+        """Every leaf's key path, in the flattened params tree's order."""
+        return self.plan.names
+
+    @property
+    def bucket_leaves(self) -> list[list[int]]:
+        """Each bucket's leaves, as indices into :attr:`names`."""
+        return self.plan.bucket_leaves
+
+    @property
+    def layouts(self) -> list[BucketLayout]:
+        """Each bucket's layout (its leaves' names, shapes and offsets in the flat buffer)."""
+        return self.plan.layouts
 
     def __repr__(self) -> str:
         return (f"DataParallel({len(self.names)} leaves, {len(self.bucket_leaves)} buckets, "
@@ -190,9 +234,9 @@ class DataParallel:
         if self.algorithm.target is Target.MOMENTUM:
             return tuple(EmptyState() for _ in self.bucket_leaves)
         if self.algorithm.target is Target.GRAD:  # gradient state starts from zeros
-            leaves = [jnp.zeros(shape, dtype) for shape, dtype in zip(self._shapes, self._dtypes)]
+            leaves = [jnp.zeros(shape, dtype) for shape, dtype in zip(self.plan.shapes, self.plan.dtypes)]
         else:
-            leaves = self._leaves(self._initial if params is None else params, "init_state")
+            leaves = self.plan.leaves(self._initial if params is None else params, "init_state")
         return with_form(scheduled(tuple(
             storable(initial_state(self.algorithm, layout.pack([leaves[i] for i in bucket], xp=jnp), layout,
                                    self.world_size))
@@ -353,7 +397,7 @@ class DataParallel:
         self._only_for(Target.MOMENTUM, "dp.optimizer()")
 
         def init(params):
-            leaves = self._leaves(params, "optimizer init")
+            leaves = self.plan.leaves(params, "optimizer init")
             return with_form(scheduled(tuple(
                 storable(initial_state(algorithm, jnp.zeros((layout.padded_numel,), leaves[bucket[0]].dtype), layout,
                                        self.world_size))
@@ -435,23 +479,16 @@ class DataParallel:
             f"would communicate nothing; use {instead}"
         )
 
-    def _registered(self, tree: Any) -> tuple[list, list[str], list[tuple]]:
-        """The registered leaves of ``tree`` (one as wrapped, or stacked per device), their names and shapes."""
-        leaves, registered = jax.tree_util.tree_leaves(tree), [i for b in self.bucket_leaves for i in b]
-        registered = [i for i in registered if i < len(leaves)]  # a wrong tree: _run names what is wrong with it
-        return ([leaves[i] for i in registered], [self.names[i] for i in registered],
-                [self._shapes[i] for i in registered])
-
     def _refuse_invariant(self, tree: Any, where: str, what: str) -> None:
         if len(jax.tree_util.tree_leaves(tree)) == len(self.names):
-            leaves, names, _ = self._registered(tree)
+            leaves, names, _ = self.plan.registered_leaves(tree)
             refuse_invariant(leaves, names, self.axis_name, self.algorithm, where, what)
 
     def _check_stacked(self, tree: Any, state: Any, call: str) -> None:
         """At jit level: ``tree`` and the state one copy per device (``tree`` None: the state only)."""
         devices = mesh_axis_size(step_mesh(self.mesh, self.axis_name, call), self.axis_name)
         if tree is not None:
-            check_stacked(*self._registered(tree), devices, self.axis_name, self.algorithm, call)
+            check_stacked(*self.plan.registered_leaves(tree), devices, self.axis_name, self.algorithm, call)
         check_state_stacked(state, devices, self.axis_name, call)
 
     def _node_mean(self, flat, layout, state, comm):
@@ -460,32 +497,6 @@ class DataParallel:
         if Feature.HIERARCHICAL in self.algorithm.uses and Feature.HIERARCHICAL in comm.features:
             flat = comm.within.allreduce(flat, ReduceOp.AVG).astype(flat.dtype)
         return flat, state
-
-    def _leaves(self, tree: Any, where: str, floats: bool = False) -> list:
-        """The leaves of ``tree``, checked against the wrapped params (``floats``: registered ones are floating)."""
-        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        if treedef != self._treedef:
-            names = [jax.tree_util.keystr(p) for p, _ in flat]
-            missing = [n for n in self.names if n not in names]
-            extra = [n for n in names if n not in self.names]
-            detail = (f"missing leaves {missing[:5]}, unexpected leaves {extra[:5]}" if missing or extra else
-                      f"the same leaf paths in other containers: wrap had {self._treedef}, got {treedef}")
-            raise BaguaXError(
-                f"{where}: the tree does not match the params given to wrap ({detail}); pass a tree with the "
-                "same structure as the wrapped params, or wrap the new structure"
-            )
-        for name, shape, (_, x) in zip(self.names, self._shapes, flat):
-            if tuple(np.shape(x)) != shape:
-                raise BaguaXError(
-                    f"{where}: leaf {name!r} has shape {tuple(np.shape(x))}, but wrap registered it with {shape}; "
-                    "inside the step pass per-device values (pmap strips the device axis; under shard_map index "
-                    "per-device inputs with [0])"
-                )
-        if floats:
-            for bucket in self.bucket_leaves:
-                for i in bucket:
-                    check_leaf_dtype(where, self.names[i], jnp.result_type(flat[i][1]), self._dtypes[i])
-        return [x for _, x in flat]
 
     def _run(self, fn, trees: list, state: tuple, where: str) -> tuple[Any, tuple]:
         """``fn(flat, *more_flats, layout, bucket_state, comm) -> (flat, bucket_state)`` on every bucket of ``trees``.
@@ -502,7 +513,7 @@ class DataParallel:
             )
         if self._forms is not None:  # tracing: whether the step holds both forms, for dp.step's trial
             self._forms.forms_in_step = Feature.HIERARCHICAL in comm.features
-        leaves = [self._leaves(t, where, floats=True) for t in trees]
+        leaves = [self.plan.leaves(t, where, floats=True) for t in trees]
         if not isinstance(state, (tuple, list)) or len(state) != len(self.bucket_leaves):
             raise BaguaXError(
                 f"{where}: expected the state of this wrap (a tuple of {len(self.bucket_leaves)} bucket states), got "
@@ -512,8 +523,8 @@ class DataParallel:
         for bucket, layout, st in zip(self.bucket_leaves, self.layouts, state):
             if not self.pack_buckets:
                 for i in bucket:  # one leaf is a bucket of its own
-                    leaf = BucketLayout([self.names[i]], [self._shapes[i]], str(self._dtypes[i]))
-                    out[i], st = run_in_form(fn, [ls[i] for ls in leaves], leaf, st, comm, self.algorithm)
+                    out[i], st = run_in_form(fn, [ls[i] for ls in leaves], self.plan.leaf_layout(i), st, comm,
+                                             self.algorithm)
             else:
                 if layout.padded_numel % self.algorithm.alignment(comm.size):
                     raise BaguaXError(
@@ -524,81 +535,21 @@ class DataParallel:
                 flats = [layout.pack([ls[i] for i in bucket], xp=jnp) for ls in leaves]
                 flat, st = run_in_form(fn, flats, layout, st, comm, self.algorithm)
                 for i, value in zip(bucket, layout.unpack(flat, xp=jnp)):
-                    out[i] = value.astype(self._dtypes[i])
+                    out[i] = value.astype(self.plan.dtypes[i])
             new_state.append(st)
         if self._finite is not None:
-            self._finite.insert(out, [i for b in self.bucket_leaves for i in b], self.axis_name, where)
-        return jax.tree_util.tree_unflatten(self._treedef, out), tuple(new_state)
+            self._finite.insert(out, self.plan.registered, self.axis_name, where)
+        return jax.tree_util.tree_unflatten(self.plan.treedef, out), tuple(new_state)
 
 
 def _describe_mesh(mesh: jax.sharding.Mesh) -> str:
     return f"(axes {dict(mesh.shape)}, devices {[d.id for d in mesh.devices.flat]})"
 
 
-def wrap(
-    params: Any,
-    *,
-    algorithm: Optional[Algorithm] = None,
-    axis_name: Hashable = "batch",
-    bucket_cap_mb: float = 25.0,
-    world_size: Optional[int] = None,
-    pack_buckets: Optional[bool] = None,
-    timeout: Optional[float] = None,
-    check_finite: bool = False,
-    devices_per_node: Optional[int] = None,
-    first_step_timeout: Optional[float] = None,
-    mesh: Optional[jax.sharding.Mesh] = None,
-) -> DataParallel:
-    """Make a params pytree data parallel with ``algorithm``.
+def wrap(params: Any, **settings: Any) -> DataParallel:
+    """Make a params pytree data parallel: ``DataParallel(params, **settings)``, the keywords of
+    :class:`DataParallel` (``algorithm``, ``axis_name``, ``mesh``, ``timeout``...)."""
+    return DataParallel(params, **settings)
 
-    In a multi-process run, every process must call ``wrap`` with the same
-    tree (checked across processes, JSON only).  Inside the step, call
-    :meth:`DataParallel.reduce_gradients` / :meth:`DataParallel.sync_params`,
-    or use the optax forms :meth:`DataParallel.gradient_transformation` and
-    :meth:`DataParallel.optimizer` (QAdam).
 
-    Args:
-        params: the params pytree; its key paths name the leaves in every message.
-        algorithm: default :class:`~bagua_x.algorithms.GradientAllReduce`.
-        axis_name: the ``pmap`` / ``shard_map`` axis the step runs over; on a 2-D
-            mesh a tuple ``("node", "local")``: nodes along the first axis, a
-            node's devices along the second, the two levels of the hierarchical
-            algorithms (:class:`~.communicator.AxisCommunicator`).
-        bucket_cap_mb: the largest bucket (leaves are packed per dtype up to it).
-        world_size: the axis size (default: that of ``mesh``, else ``jax.device_count()``, all devices of
-            all processes: call :func:`~.distributed.init_distributed` before ``wrap``).
-        pack_buckets: one collective per bucket (True) or per leaf (False);
-            default automatic.  Algorithms that need padding always pack.
-        timeout: seconds (default off): a step run through
-            :meth:`DataParallel.step` that does not finish in time ends the
-            process with a report (which processes never arrived), so an elastic
-            launcher can restart the job.  It must stay 10 s below JAX's heartbeat
-            timeout (:func:`~.distributed.init_distributed`).  Only a step still running is
-            reported: one that raises (and Ctrl-C) leaves the process alive.
-        check_finite: raise a BaguaXError naming the leaves when a reduced value
-            is NaN or inf, on every process at the same step (:mod:`.checks`).
-        devices_per_node: groups the axis into nodes for the hierarchical
-            algorithms (default: this process's devices times torchrun's
-            ``LOCAL_WORLD_SIZE``), which run in two levels under ``pmap`` with
-            >= 2 nodes.  With >= 2 devices per node, ``hierarchical=None`` takes
-            the faster form: the first 12 steps through :meth:`DataParallel.step`
-            time whole steps in each and decide (until then, and without ``dp.step``,
-            the step runs flat); the choice is part of the state (``init``), so a
-            restored state keeps its form through ``dp.step`` (:mod:`.node_form`).
-            Where there are no node groups (``shard_map``: JAX has
-            no grouped collectives there; a ``devices_per_node`` that does not
-            divide the axis) the default ``hierarchical=None`` runs flat and
-            ``hierarchical=True`` is refused when the step is traced.
-        first_step_timeout: the first step's limit under ``timeout``: it traces
-            and compiles the program (default: the larger of ``timeout`` and
-            600 s); a later call that compiles again (new input shapes) has ``timeout``.
-        mesh: the mesh whose ``axis_name`` axis the step-side calls shard over when
-            called at jit level (:meth:`DataParallel.value_and_grad`), and where
-            ``replicate`` / ``init`` lay trees out (default: the mesh of
-            ``jax.set_mesh`` around each call); ``world_size`` defaults to that axis's size.
-
-    Returns:
-        The :class:`DataParallel` object of this tree.
-    """
-    return DataParallel(params, algorithm, axis_name, bucket_cap_mb, world_size, pack_buckets, timeout, check_finite,
-                        devices_per_node, first_step_timeout, mesh)
+wrap.__signature__ = inspect.signature(DataParallel)  # help() and editors show DataParallel's keywords

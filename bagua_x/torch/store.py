@@ -68,22 +68,22 @@ def check_tag(kind: str, group: Optional[dist.ProcessGroup]) -> str:
 
 
 def store_allgather(tag: str, data: bytes, group: Optional[dist.ProcessGroup], timeout: float,
-                    what: str) -> list[bytes]:
+                    context: str) -> list[bytes]:
     """Every rank's ``data`` through the store (not a collective), waiting at most ``timeout`` seconds.
 
     The caller encodes and decodes (``core.wire``: plain JSON, checked on
     arrival).  Each call must use a ``tag`` unique to the check and to its
-    occurrence, the same on every rank (:func:`check_tag`); ``what`` starts
+    occurrence, the same on every rank (:func:`check_tag`); ``context`` starts
     the error messages.
     """
     store, ranks, keys = _keys(tag, group)
     store.set(keys[ranks.index(dist.get_rank())], data)
-    _wait(store, ranks, keys, timeout, what)
+    _wait(store, ranks, keys, timeout, context)
     return [store.get(k) for k in keys]
 
 
 def store_broadcast(tag: str, data: Optional[bytes], group: Optional[dist.ProcessGroup], timeout: float,
-                    what: str) -> bytes:
+                    context: str) -> bytes:
     """The group's first rank's ``data`` on every rank, through the store (others pass None).
 
     One key, read by every rank, instead of :func:`store_allgather`'s one key
@@ -93,7 +93,7 @@ def store_broadcast(tag: str, data: Optional[bytes], group: Optional[dist.Proces
     store, ranks, keys = _keys(tag, group)
     if dist.get_rank() == ranks[0]:
         store.set(keys[0], data)
-    _wait(store, ranks[:1], keys[:1], timeout, what)
+    _wait(store, ranks[:1], keys[:1], timeout, context)
     return store.get(keys[0])
 
 
@@ -103,7 +103,7 @@ def _keys(tag: str, group: Optional[dist.ProcessGroup]):
     return store, ranks, [f"bagua_x/check/{restart_count()}/{tag}/{r}" for r in ranks]
 
 
-def _wait(store, ranks: list[int], keys: list[str], timeout: float, what: str) -> None:
+def _wait(store, ranks: list[int], keys: list[str], timeout: float, context: str) -> None:
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except Exception as e:  # noqa: BLE001 -- a store timeout is a RuntimeError or a DistStoreError
@@ -111,10 +111,10 @@ def _wait(store, ranks: list[int], keys: list[str], timeout: float, what: str) -
             missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
         except Exception:  # noqa: BLE001
             raise BaguaXError(
-                f"{what}: the torch.distributed store became unreachable ({type(e).__name__}: {e}); the rank hosting "
+                f"{context}: the torch.distributed store became unreachable ({type(e).__name__}: {e}); the rank hosting "
                 "it (MASTER_ADDR, usually rank 0) has probably died or exited"
             ) from e
         raise BaguaXError(
-            f"{what}: ranks {missing} did not arrive within {timeout:g} s ({type(e).__name__}); they died, hang, or "
+            f"{context}: ranks {missing} did not arrive within {timeout:g} s ({type(e).__name__}); they died, hang, or "
             "are at a different step (e.g. resumed from a different checkpoint)"
         ) from e

@@ -83,7 +83,7 @@ def test_the_timeout_bounds_each_job_not_the_sum_of_those_waited_for():
     import torch
 
     from bagua_x.core.errors import BaguaXError
-    from bagua_x.torch.runtime import CommWorker
+    from bagua_x.torch.engine.comm_thread import CommWorker
 
     worker = CommWorker("test-comm", torch.device("cpu"), timeout=1.5)
     try:

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from bagua_x.torch.runtime import CommWorker
+from bagua_x.torch.engine.comm_thread import CommWorker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,7 +28,7 @@ def test_a_thread_still_running_at_exit_is_joined():
     exits (a daemon thread would be cut off)."""
     script = textwrap.dedent("""
         import time, torch
-        from bagua_x.torch.runtime import CommWorker
+        from bagua_x.torch.engine.comm_thread import CommWorker
         worker = CommWorker("test-exit", torch.device("cpu"))
         worker.submit("a slow job", lambda: (time.sleep(0.5), print("job done", flush=True)))
         time.sleep(0.1)  # the job has started

@@ -52,7 +52,7 @@ from ...core.errors import BaguaXError
 from .. import streams
 from ..communicator import TorchCommunicator
 from ..distributed import private_group
-from ..runtime import join_at_exit
+from .comm_thread import join_at_exit
 from .gradient import GradientEngine
 from .interface import EngineOptions
 from .registration import build_buckets, register_parameters

@@ -8,7 +8,7 @@ the same fixed order on every rank) to one communication thread that runs the
 algorithm while backward goes on.  On CUDA the thread's stream first waits
 for an event recorded in the hook on the stream that produced the gradients,
 and at the end of backward the caller's stream waits for the thread's stream
-(:class:`~..runtime.CommWorker`): the optimizer never reads a gradient the
+(:class:`~.comm_thread.CommWorker`): the optimizer never reads a gradient the
 collective is still writing, and nothing blocks the host.
 
 A gradient recreated since the last step (``zero_grad(set_to_none=True)``, a
@@ -42,7 +42,7 @@ from .. import streams
 from ..checks import check_dense_grad
 from ..communicator import TorchCommunicator
 from ..distributed import check_same_buckets
-from .base import BackwardEngine
+from .backward import BackwardEngine
 from .interface import EngineOptions
 from .ready_order import ORDER_KEY, OrderRecorder, check_order, ordered
 from .registration import build_buckets, register_parameters
@@ -68,7 +68,7 @@ def _grad_bucket(name: str, tensors: list[RegisteredTensor], alignment: int) -> 
 class GradientEngine(BackwardEngine):
     """Runs a gradient algorithm on bucketed ``p.grad`` during backward."""
 
-    what = "gradient"
+    tensor_kind = "gradient"
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: Algorithm,
                  comm: TorchCommunicator, *, options: EngineOptions):
@@ -137,8 +137,10 @@ class GradientEngine(BackwardEngine):
         if self._recorder.recording:
             self._recorder.record(t.name)
             self._ready.ready(i)
-        else:
-            self._mark_ready(i)
+        else:  # _mark_ready, inline: this is the hook's path, once per parameter per step
+            for k in self._ready.ready(i):
+                slot = self.slots[k]
+                self._worker.submit(slot.job, self._job(slot, slot.bucket.buffer), slot.bucket)
 
     def _before_wait(self) -> None:
         """Handle unused parameters; after the first backward, rebuild the buckets and launch them all."""

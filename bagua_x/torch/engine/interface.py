@@ -71,7 +71,7 @@ class Engine(Protocol):
         """Start what the algorithm does at forward (Decentralized's exchange, QAdam's switch at warmup's end)."""
 
     def after_forward(self, outputs) -> None:
-        """See the forward's ``outputs`` (e.g. to end communication where backward ends, :class:`..runtime.BackwardHooks`)."""
+        """See the forward's ``outputs`` (e.g. to end communication where backward ends, :class:`.backward.BackwardHooks`)."""
 
     def weights_locked(self):
         """Context in which no other thread writes the weights; it gives True when one does outside it

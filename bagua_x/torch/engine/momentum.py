@@ -32,7 +32,7 @@ from ...core.tensor import TensorRegistry
 from ..communicator import TorchCommunicator
 from ..distributed import check_same_buckets
 from ..optim import QAdamOptimizer
-from .base import BackwardEngine
+from .backward import BackwardEngine
 from .gradient import GradientEngine
 from .interface import EngineOptions
 from .registration import build_buckets
@@ -129,7 +129,7 @@ class MomentumBuckets(BackwardEngine):
     """After warmup: each parameter's ``exp_avg`` is the effective tensor, updated in its backward hook
     and averaged 8-bit by :meth:`QAdam.reduce` bucket by bucket."""
 
-    what = "momentum"
+    tensor_kind = "momentum"
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: QAdam,
                  comm: TorchCommunicator, options: EngineOptions, optimizer: QAdamOptimizer):

@@ -22,7 +22,7 @@ re-points ``p.data``), so after-step algorithms work on the weights in place
 per bucket.  Decentralized exchanges a snapshot, so the exchange never races
 with forward and backward reading the parameters.
 
-Streams (:class:`~..runtime.CommWorker`): the exchange runs on the engine's own
+Streams (:class:`~.comm_thread.CommWorker`): the exchange runs on the engine's own
 stream after an event recorded on the training stream when the weights (or the
 snapshot) were final; the training stream waits for the exchange's stream
 before anything reads the averaged weights (at the end of backward before the
@@ -46,7 +46,7 @@ from ...core.errors import BaguaXError
 from .. import streams
 from ..checks import check_finite, non_finite_tensors
 from ..communicator import TorchCommunicator
-from ..runtime import BackwardHooks
+from .backward import BackwardHooks
 from .base import BucketedEngine
 from .interface import EngineOptions
 from .registration import build_buckets, keep_state_for, register_parameters
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 class WeightEngine(BucketedEngine):
     """Runs a weight algorithm before forward (finished after backward) or after each optimizer step."""
 
-    what = "weights"
+    tensor_kind = "weights"
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], algorithm: Algorithm,
                  comm: TorchCommunicator, *, options: EngineOptions):
@@ -79,7 +79,7 @@ class WeightEngine(BucketedEngine):
         self._exchange_comm: Optional[TorchCommunicator] = None
         self._replicas = options.replicas
         if algorithm.phase is Phase.BEFORE_FORWARD:
-            self._hooks = BackwardHooks(tensors, self._hook, self._finish, lambda: self._in_flight is not None)
+            self._hooks = BackwardHooks(tensors, self._hook, self._land, lambda: self._in_flight is not None)
         elif algorithm.phase is Phase.AFTER_STEP:
             if optimizer is None:
                 raise BaguaXError(
@@ -100,13 +100,13 @@ class WeightEngine(BucketedEngine):
     def settle(self) -> None:
         """Before a forward: land an exchange still in flight (a forward without backward since it started);
         raise a timeout the communication thread found since."""
-        self._finish()
+        self._land()
         self._worker.check()
 
     def before_forward(self) -> None:
         if self._hooks is None:
             return
-        self._finish()
+        self._land()
         if not (self.enabled and torch.is_grad_enabled()):
             return
         with torch.no_grad():
@@ -125,7 +125,7 @@ class WeightEngine(BucketedEngine):
         if self._in_flight is not None:
             self._hooks.arm()
 
-    def _finish(self) -> None:
+    def _land(self) -> None:
         if self._in_flight is None:
             return
         flats, self._in_flight = self._in_flight, None
@@ -172,7 +172,7 @@ class WeightEngine(BucketedEngine):
                     weights.copy_(out)
                 snapshot = weights.clone()
             streams.keep_for(snapshot, self._worker.stream)
-            self._worker.submit(slot.what, functools.partial(self._exchange, slot, snapshot), slot.bucket)
+            self._worker.submit(slot.job, functools.partial(self._exchange, slot, snapshot), slot.bucket)
         self.synced_steps += 1
 
     def _exchange(self, slot, snapshot: torch.Tensor) -> None:
@@ -181,7 +181,7 @@ class WeightEngine(BucketedEngine):
         local_bad = non_finite_tensors(slot.bucket, snapshot) if self.check_finite else []
         slot.state = self.algorithm.exchange(snapshot, slot.bucket.layout, slot.state, self._exchange_comm)
         if self.check_finite:
-            check_finite(slot.bucket, snapshot, local_bad, self.what, self._exchange_comm)
+            check_finite(slot.bucket, snapshot, local_bad, self.tensor_kind, self._exchange_comm)
 
     def state_dict(self) -> dict:
         self._worker.wait()  # an exchange in flight belongs to the state
@@ -209,7 +209,7 @@ class WeightEngine(BucketedEngine):
 
     def close(self) -> None:
         try:
-            self._finish()  # an exchange in flight lands in the parameters (or raises why it cannot)
+            self._land()  # an exchange in flight lands in the parameters (or raises why it cannot)
         finally:
             if self._hooks is not None:
                 self._hooks.remove()

@@ -26,7 +26,7 @@ comes next.
 
 DDP calls the hook from backward, in bucket order, on every rank.  The hook
 only queues the bucket on one communication thread (a
-:class:`~..runtime.CommWorker`: FIFO, so collectives keep that order on every
+:class:`~..engine.comm_thread.CommWorker`: FIFO, so collectives keep that order on every
 rank) and returns a ``torch.futures.Future`` that the thread completes:
 backward goes on while the algorithm communicates, and DDP waits for the
 futures at the end of backward.  On CUDA the thread runs on a stream of its
@@ -44,7 +44,7 @@ report, which DDP raises at the end of that backward.  A bucket whose
 reduction raised (gloo's timeout, a failed check) breaks it too: the step's
 later buckets are skipped (not one timeout each), and every later hook call
 raises the BaguaXError from backward.  The run-ahead bound of ``wrap``
-(:meth:`~..runtime.CommWorker.run_ahead`), since DDP never waits for the thread
+(:meth:`~..engine.comm_thread.CommWorker.run_ahead`), since DDP never waits for the thread
 itself: each step's first bucket waits (polling an event, no host sync) for the
 communication of the step before the last, so on CUDA a collective stuck on the
 device raises the report from backward at its deadline instead of letting the
@@ -70,9 +70,8 @@ from ...core.errors import BaguaXError
 from .. import kernels, streams
 from ..communicator import TorchCommunicator
 from ..distributed import private_group
-from ..engine.base import reduce_in_place
+from ..engine.comm_thread import BucketSlot, CommWorker, reduce_in_place
 from ..engine.registration import keep_state_for
-from ..runtime import CommWorker
 from ..store import resolve_timeout
 
 __all__ = ["CommHookState", "comm_hook"]
@@ -166,7 +165,9 @@ class CommHookState:
             padded = layout.padded_numel - buffer.numel()
             flat = torch.cat([buffer, buffer.new_zeros(padded)]) if padded else buffer
             state = self._state(index, keys, flat, layout)
-            self.buckets[index] = (keys, layout, reduce_in_place(self.algorithm, flat, layout, state, self.comm))
+            slot = BucketSlot(layout, state, f"DDP bucket {index}")
+            reduce_in_place(self.algorithm, flat, slot, self.comm)
+            self.buckets[index] = (keys, layout, slot.state)
             if padded:
                 buffer.copy_(flat[:buffer.numel()])
             fut.set_result(buffer)

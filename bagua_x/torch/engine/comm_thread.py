@@ -1,26 +1,36 @@
-"""Runtime pieces shared by the torch engines: the communication thread and backward hooks."""
+"""The communication thread of every torch engine and of the DDP comm hook, and the job most of them run on
+it: a bucket reduced in place by its algorithm.
+
+A gradient goes from its hook to the collective through the engine's
+``_on_ready`` (:mod:`.gradient`), :meth:`CommWorker.submit` here, then on
+the thread :meth:`CommWorker._execute` -> :func:`reduce_in_place` ->
+``algorithm.reduce`` -> the communicator: 8 frames (``benchmarks/control_path.py``
+prints them).
+"""
 
 from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import functools
 import logging
 import queue
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional
 
 import torch
-from torch.utils._pytree import tree_leaves
 
-from ..core.bucket import Bucket
-from ..core.errors import BaguaXError
-from ..core.tensor import RegisteredTensor
-from . import streams
-from .stall import StallInspector
+from ...algorithms.base import Algorithm
+from ...core.bucket import Bucket, BucketLayout
+from ...core.errors import BaguaXError
+from .. import streams
+from ..checks import check_finite, non_finite_tensors
+from ..communicator import TorchCommunicator
+from ..stall import StallInspector
 
-__all__ = ["CommWorker", "BackwardHooks", "join_at_exit"]
+__all__ = ["BucketSlot", "CommWorker", "join_at_exit", "reduce_in_place"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +60,35 @@ def _join_all() -> None:
 
 
 atexit.register(_join_all)
+
+
+@dataclasses.dataclass
+class BucketSlot:
+    """A bucket's layout, its algorithm state (replaced by each reduction), the name of its job on the
+    communication thread (in reports), and the engine's bucket (None for a DDP bucket of the comm hook)."""
+
+    layout: BucketLayout
+    state: NamedTuple
+    job: str
+    bucket: Optional[Bucket] = None
+
+
+def reduce_in_place(algorithm: Algorithm, flat: torch.Tensor, slot: BucketSlot, comm: TorchCommunicator,
+                    finite: Optional[str] = None) -> None:
+    """``flat <- reduce(flat)``, in place, and ``slot.state`` replaced: the one call site of the algorithm
+    interface in the torch frontend (engines and the comm hook).  ``finite``, what the bucket holds
+    ("gradient"...): raise naming its tensors when a reduced value is NaN or infinite on any rank, on every
+    rank alike (wrap's ``check_finite``; collective, so every rank passes ``finite`` or none)."""
+    local_bad = non_finite_tensors(slot.bucket, flat) if finite else []
+    if algorithm.donates_input:
+        with comm.donate(flat):
+            out, slot.state = algorithm.reduce(flat, slot.layout, slot.state, comm)
+    else:
+        out, slot.state = algorithm.reduce(flat, slot.layout, slot.state, comm)
+    if out is not flat:
+        flat.copy_(out)
+    if finite:
+        check_finite(slot.bucket, flat, local_bad, finite, comm)
 
 
 class CommWorker:
@@ -105,7 +144,7 @@ class CommWorker:
         self._stuck: Optional[BaguaXError] = None
         self._current: tuple[str, Optional[Bucket]] = ("", None)
         self._since = 0.0  # when the thread's next (or running) job could start: its clock for wait()'s timeout
-        # (deadline, event after the job, what, bucket) of launched jobs whose work may still run, oldest first
+        # (deadline, event after the job, its label, bucket) of launched jobs whose work may still run, oldest first
         self._running: collections.deque = collections.deque()
         self._poll = None if timeout is None else min(0.05, timeout / 20)
         self._previous_wait = None  # an event after the communication the last wait() handed over
@@ -113,10 +152,10 @@ class CommWorker:
         self._thread.start()
         join_at_exit(self._thread, functools.partial(self._jobs.put, None))
 
-    def submit(self, what: str, job: Callable[[], None], bucket: Optional[Bucket] = None,
+    def submit(self, label: str, job: Callable[[], None], bucket: Optional[Bucket] = None,
                skipped: Optional[Callable[[BaguaXError], None]] = None) -> None:
-        """Queue ``job``, to start after the work queued so far on the caller's current stream;
-        ``bucket`` (if any) is what a stall report names.  A job the thread skips (after a failure or a
+        """Queue ``job`` (``label`` names it in errors), to start after the work queued so far on the caller's
+        current stream; ``bucket`` (if any) is what a stall report names.  A job the thread skips (after a failure or a
         missed deadline) is handed to ``skipped`` with the error instead, so a caller waiting on it
         (a DDP future) hears why."""
         ready = streams.record(streams.current(self._device))
@@ -124,7 +163,7 @@ class CommWorker:
             if self._pending == 0:  # else its clock starts when the job before it ends
                 self._since = time.monotonic()
             self._pending += 1
-        self._jobs.put((what, job, bucket, ready, skipped))
+        self._jobs.put((label, job, bucket, ready, skipped))
 
     def _run(self) -> None:
         streams.set_device(self._device)  # the current CUDA device is per thread
@@ -150,9 +189,9 @@ class CommWorker:
                         self._done.notify_all()
                 self._check_deadline()
 
-    def _execute(self, what: str, job: Callable[[], None], bucket: Optional[Bucket], ready,
+    def _execute(self, label: str, job: Callable[[], None], bucket: Optional[Bucket], ready,
                  skipped: Optional[Callable[[BaguaXError], None]]) -> None:
-        self._current = (what, bucket)
+        self._current = (label, bucket)
         try:
             broken = self._error or self._stuck
             if broken is not None and skipped is not None:
@@ -165,11 +204,11 @@ class CommWorker:
                 job()
                 finished = streams.record(self.stream)
                 if self._timeout is not None:
-                    self._running.append((launched + self._timeout, finished, what, bucket))
+                    self._running.append((launched + self._timeout, finished, label, bucket))
         except BaseException as e:  # noqa: BLE001 -- re-raised on the main thread by wait()
             # a BaguaXError is a check that failed (it names the tensor); anything else is communication
             report = "" if isinstance(e, BaguaXError) else self._report(bucket)
-            self._error = BaguaXError(f"{what} failed on the communication thread: {type(e).__name__}: {e}{report}")
+            self._error = BaguaXError(f"{label} failed on the communication thread: {type(e).__name__}: {e}{report}")
             self._error.__cause__ = e
 
     def _check_deadline(self) -> None:
@@ -177,17 +216,17 @@ class CommWorker:
         while self._running and streams.done(self._running[0][1]):
             self._running.popleft()
         if self._running and time.monotonic() > self._running[0][0]:
-            _, _, what, bucket = self._running[0]
+            _, _, label, bucket = self._running[0]
             self._running.clear()
-            self._stuck = self._timed_out(what, bucket, "Its collective is still running on the device")
+            self._stuck = self._timed_out(label, bucket, "Its collective is still running on the device")
             log.error("bagua_x: %s", self._stuck)  # seen even if the training thread is blocked on the device
 
     def _report(self, bucket: Optional[Bucket], stuck: bool = False) -> str:
         return self._inspector.report(bucket, stuck) if self._inspector is not None else ""
 
-    def _timed_out(self, what: str, bucket: Optional[Bucket], where: str) -> BaguaXError:
+    def _timed_out(self, label: str, bucket: Optional[Bucket], where: str) -> BaguaXError:
         return BaguaXError(
-            f"{what} did not complete within {self._timeout:g} s (the timeout of wrap() or CommHookState)"
+            f"{label} did not complete within {self._timeout:g} s (the timeout of wrap() or CommHookState)"
             f"{self._report(bucket, True)}. "
             f"{where}, so this process group cannot be used any more: exit and restart from a "
             "checkpoint (torchrun --max-restarts restarts all ranks)"
@@ -208,8 +247,8 @@ class CommWorker:
             launched = self._pending == 0
             error, self._error = (self._error, None) if launched else (None, self._error)
         if not launched:
-            what, bucket = self._current
-            self._stuck = self._timed_out(what, bucket, "The communication thread is still blocked in the collective")
+            label, bucket = self._current
+            self._stuck = self._timed_out(label, bucket, "The communication thread is still blocked in the collective")
             raise self._stuck
         streams.wait_stream(streams.current(self._device), self.stream)
         self.run_ahead()
@@ -236,62 +275,3 @@ class CommWorker:
                         self._current[0])
         else:
             _to_join.pop(self._thread, None)
-
-
-class BackwardHooks:
-    """``on_hook(i, param)`` from tensor ``i``'s post-accumulate-grad hook, then ``on_end()`` once per backward.
-
-    ``on_hook`` itself is the registered hook (no frame in between: it runs
-    once per parameter per step); when it takes part in a step it calls
-    :meth:`arm`.  ``on_end`` runs after the whole backward, before
-    ``loss.backward()`` returns: it is queued on the autograd engine's graph
-    task when backward reaches the forward's outputs (:meth:`watch`), or else
-    at the first :meth:`arm`.  The outputs come first because a hook may fire
-    inside a nested backward (reentrant activation checkpointing), whose end
-    is not the end of backward.  It runs only if a hook armed it (a backward
-    that reaches the outputs but no parameter, e.g. a gradient of the input,
-    is not a step).  ``active()`` is checked when the outputs are reached:
-    inside ``no_sync()`` nothing is queued.
-    """
-
-    def __init__(self, tensors: Sequence[RegisteredTensor], on_hook: Callable[[int, torch.Tensor], None],
-                 on_end: Callable[[], None], active: Callable[[], bool]):
-        self._on_end, self._active = on_end, active
-        self.queued = False
-        self._fired = False
-        self._handles = [
-            t.proxy.register_post_accumulate_grad_hook(functools.partial(on_hook, i)) for i, t in enumerate(tensors)
-        ]
-
-    def watch(self, outputs) -> None:
-        """Queue ``on_end`` when backward reaches a tensor of ``outputs`` (a forward's, any nesting of
-        lists, tuples and dicts): that is the outermost backward, before any parameter's hook."""
-        for t in tree_leaves(outputs):
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                t.grad_fn.register_prehook(self._queue_end)
-
-    def _queue_end(self, *_) -> None:
-        if self._active() and not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end)
-
-    def arm(self) -> None:
-        """A hook took part in this backward: ``on_end`` runs at its end."""
-        self._fired = True
-        if not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end)
-
-    def _end(self) -> None:
-        fired, self.queued, self._fired = self._fired, False, False
-        if fired:
-            self._on_end()
-
-    def abandon(self) -> None:
-        """A backward that raised before its end: its ``on_end`` will not run."""
-        self.queued = self._fired = False
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
