@@ -30,11 +30,12 @@ import array_api_compat
 from ..core.bucket import BucketLayout
 from ..core.comm import Communicator, Feature, ReduceOp
 from ..core.errors import BaguaXError
+from ..core.topology import two_level_on
 
 __all__ = ["Target", "Phase", "Algorithm", "EmptyState", "initial_state", "state_from_dict", "namespace", "counter",
            "every",
            "ring_allreduce_bytes", "compressed_bytes",
-           "NodeAware", "hierarchical", "two_level_on", "over_nodes"]
+           "NodeAware", "hierarchical", "over_nodes"]
 
 
 class Target(enum.Enum):
@@ -166,10 +167,18 @@ class Algorithm:
         return frozenset()
 
     @property
+    def hierarchical_setting(self) -> Optional[bool]:
+        """The ``hierarchical=`` that :attr:`uses` and :attr:`requires` amount to: True (node groups required),
+        None (used where offered, the faster form), False (never used)."""
+        if Feature.HIERARCHICAL in self.requires:
+            return True
+        return None if Feature.HIERARCHICAL in self.uses else False
+
+    @property
     def timed_form(self) -> bool:
         """Whether a frontend with node groups picks flat or over nodes by timing both (``hierarchical=None``:
         the two forms give the same result, only their speed differs).  False where the setting decides."""
-        return Feature.HIERARCHICAL in self.uses and Feature.HIERARCHICAL not in self.requires
+        return self.hierarchical_setting is None
 
     def communicates(self, state: NamedTuple) -> bool:
         """Whether ``reduce`` on ``state`` makes any collective, decided on the host from the state's counters.
@@ -285,7 +294,7 @@ class NodeAware:
 
     ``None`` uses the frontend's node groups where it has them and they are
     faster (the frontend times both forms and offers the groups or withholds
-    them: :mod:`bagua_x.core.autotune`), ``True`` requires them (a frontend
+    them: :mod:`bagua_x.core.topology`), ``True`` requires them (a frontend
     that has none refuses), ``False`` stays flat.
     """
 
@@ -318,12 +327,6 @@ def hierarchical(setting: Optional[bool], comm) -> bool:
     if Feature.REPLICA_GROUPS in comm.features:  # a node is the unit that survives: never a form that is not over nodes
         return True
     return two_level_on(setting, comm.across.size, comm.within.size)
-
-
-def two_level_on(setting: Optional[bool], nodes: int, ranks_per_node: int) -> bool:
-    """:func:`hierarchical`'s decision from the node layout alone, before any node group exists:
-    frontends check that every rank decides the same before they make groups."""
-    return setting is not False and nodes >= 2 and (setting is True or ranks_per_node >= 2)
 
 
 def over_nodes(flat, comm, exchange: Callable, op: ReduceOp = ReduceOp.AVG):

@@ -50,7 +50,7 @@ def train(algo_name: str, args, data) -> dict:
 
     import bagua_x.jax as bxj
     from bagua_x.algorithms import Phase, Target
-    from ..core.autotune import StepTrial
+    from ..core.topology import StepTrial
 
     from .algorithms import make
     from .data import rank_batches

@@ -35,7 +35,7 @@ def train(algo_name: str, args, data) -> dict:
     import bagua_x.torch as bxt
     from bagua_x.algorithms import QAdam
 
-    from ..core.autotune import StepTrial
+    from ..core.topology import StepTrial
     from .algorithms import make
     from .data import rank_batches
     from .demo_run import plan_for

@@ -7,8 +7,8 @@ the algorithm with its settings, the world and node sizes, the bucket sizes,
 the device kind and the library versions (:func:`topology`).  What it cannot
 name, the links and the load, is checked by timing instead: a job runs its
 first steps in the recorded form and keeps the decision only if a step takes
-within :data:`~.autotune.FITS` of the recorded time
-(:class:`~.autotune.StepTrial`); otherwise it times both forms and records the
+within :data:`~.topology.FITS` of the recorded time
+(:class:`~.topology.StepTrial`); otherwise it times both forms and records the
 new decision beside the old.  Up to :data:`KEEP` decisions per topology are
 kept, the latest first, so a cluster whose link changes between a few speeds
 finds each one's.  Deleting the file forgets them all.
@@ -26,7 +26,7 @@ import os
 import tempfile
 from typing import Callable, Optional, Sequence
 
-from .autotune import FITS, FormChoice
+from .topology import FITS, FormChoice
 
 __all__ = ["ENV", "KEEP", "topology", "load", "record", "share"]
 

@@ -3,7 +3,7 @@
 No step can tell which form is faster from a reduce alone (LowPrecisionDecentralized on CPU nodes reduced
 faster over nodes and trained faster flat), so the form is decided by the first 12 training steps through
 :meth:`DataParallel.step <bagua_x.jax.wrap.DataParallel.step>` (:class:`StepForms`: the trial of
-:class:`~bagua_x.core.autotune.StepTrial`, the same as torch's).  Until then, and in a step not run
+:class:`~bagua_x.core.topology.StepTrial`, the same as torch's).  Until then, and in a step not run
 through ``dp.step`` (bagua_x never sees that loop), the step runs flat; ``wrap`` logs it.
 
 Each bucket's state is a :class:`FormState`: the form the step runs is static, in the tree's structure,
@@ -36,7 +36,7 @@ from .. import __version__
 from ..algorithms import Algorithm
 from ..algorithms.base import initial_state
 from ..core import form_cache
-from ..core.autotune import StepTrial
+from ..core.topology import StepTrial
 from ..core.bucket import BucketLayout
 from ..core.comm import Feature, ReduceOp
 from .communicator import AxisCommunicator

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
 from .distributed import private_group
-from .nodes import agree_on_nodes
+from .node_form import agree_on_nodes
 
 __all__ = ["TorchCommunicator"]
 
@@ -189,7 +189,7 @@ class TorchCommunicator:
         pair with them either).  Nodes are consecutive blocks of
         ``local_world_size`` ranks (torchrun's ``LOCAL_WORLD_SIZE``).  Every
         rank first checks through the store that all see the same setting and
-        layout (:func:`~.nodes.agree_on_nodes`): the same BaguaXError on every
+        layout (:func:`~.node_form.agree_on_nodes`): the same BaguaXError on every
         rank instead of a hang in ``new_group``.  ``True`` (the user asked for
         it): a layout that cannot have node groups raises instead of quietly
         running flat.

@@ -35,7 +35,6 @@ from .engine.node_worker import weight_engine
 from .fault_tolerance import FaultTolerance, ReplicaGroups, Replicas, check_supported, healing_state
 from .ddp_args import check_ddp_arguments
 from .node_form import NodeForm
-from .nodes import declared_setting
 from .optim import QAdamOptimizer
 from .store import resolve_timeout
 
@@ -85,7 +84,7 @@ class DistributedModel(torch.nn.Module):
         check_one_gpu_per_rank(model_device(module), group, self.timeout)
         if fault_tolerance is None:
             # before any other collective: a rank with another setting or node layout fails here with the rest
-            self.comm.enable_hierarchical(declared_setting(algorithm), local_world_size)
+            self.comm.enable_hierarchical(algorithm.hierarchical_setting, local_world_size)
         # exchanged with the model description, so a problem on any rank is raised on every rank
         problem = misuse_problem(module) or input_problem(module)
         check_same_model(module, {"algorithm": algorithm.hyperparameters(), "bucket_cap_mb": bucket_cap_mb,

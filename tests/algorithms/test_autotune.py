@@ -1,4 +1,4 @@
-"""The choice of flat or over nodes by timing whole steps (bagua_x.core.autotune) on simulated ranks: every rank
+"""The choice of flat or over nodes by timing whole steps (bagua_x.core.topology) on simulated ranks: every rank
 takes the form the slowest rank's times favour, whatever its own times say."""
 
 import logging
@@ -13,7 +13,7 @@ def trial_on_4_ranks(step_seconds, known=()):
     """Each rank runs StepTrial's plan (checking the ``known`` decisions first), its steps taking
     ``step_seconds(rank, two_level)`` (no sleeping: the clock is advanced by hand), as a frontend drives it;
     returns every rank's choice and the forms its steps ran in."""
-    from bagua_x.core.autotune import StepTrial
+    from bagua_x.core.topology import StepTrial
 
     def fn(comm):
         def slowest(values):
@@ -56,7 +56,7 @@ def test_step_trial_takes_the_form_of_the_slowest_ranks_median_step(two_level, c
 
 
 def test_step_trial_plan_warms_each_form_then_alternates_blocks_and_times_only_those():
-    from bagua_x.core.autotune import StepTrial
+    from bagua_x.core.topology import StepTrial
 
     results = trial_on_4_ranks(lambda rank, form: 1.0 if form else 2.0)
     _, forms = results[0]
@@ -73,7 +73,7 @@ def _over_nodes_faster(rank, form):  # the slowest rank: 0.4 s flat, 0.3 s over 
 
 
 def test_a_recorded_decision_that_fits_is_kept_after_one_block_in_its_form(caplog):
-    from bagua_x.core.autotune import FormChoice, StepTrial
+    from bagua_x.core.topology import FormChoice, StepTrial
 
     recorded = FormChoice(True, 0.41, 0.28)  # 0.3 s measured over nodes: within 25 % of 0.28
     with caplog.at_level(logging.INFO, logger="bagua_x"):
@@ -87,7 +87,7 @@ def test_a_recorded_decision_that_fits_is_kept_after_one_block_in_its_form(caplo
 
 
 def test_a_recorded_decision_that_does_not_fit_is_timed_again(caplog):
-    from bagua_x.core.autotune import FormChoice, StepTrial
+    from bagua_x.core.topology import FormChoice, StepTrial
 
     stale = FormChoice(False, 0.31, 0.35)  # the link was faster then: 0.4 s flat is 29 % off 0.31
     with caplog.at_level(logging.INFO, logger="bagua_x"):
@@ -102,7 +102,7 @@ def test_a_recorded_decision_that_does_not_fit_is_timed_again(caplog):
 
 
 def test_the_recorded_decision_closest_in_time_is_taken_whichever_form_it_chose():
-    from bagua_x.core.autotune import FormChoice, StepTrial
+    from bagua_x.core.topology import FormChoice, StepTrial
 
     fast_link, slow_link = FormChoice(True, 0.15, 0.12), FormChoice(False, 0.35, 0.33)  # each link's own decision
     results = trial_on_4_ranks(_over_nodes_faster, [fast_link, slow_link])
@@ -121,7 +121,7 @@ def cache(tmp_path, monkeypatch):
 
 def test_form_cache_keeps_the_latest_decisions_per_topology(cache):
     from bagua_x.core import form_cache
-    from bagua_x.core.autotune import FormChoice
+    from bagua_x.core.topology import FormChoice
 
     a, b = form_cache.topology(algorithm="ByteGrad()", world=4, local=2), form_cache.topology(world=4, local=1)
     assert form_cache.topology(world=4, local=2, algorithm="ByteGrad()") == a != b  # order of the facts: none
@@ -139,7 +139,7 @@ def test_form_cache_keeps_the_latest_decisions_per_topology(cache):
 
 def test_form_cache_off_unreadable_or_malformed_times_the_forms(cache, monkeypatch, caplog):
     from bagua_x.core import form_cache
-    from bagua_x.core.autotune import FormChoice
+    from bagua_x.core.topology import FormChoice
 
     cache.parent.mkdir()
     cache.write_text("{not json")
@@ -159,7 +159,7 @@ def test_form_cache_off_unreadable_or_malformed_times_the_forms(cache, monkeypat
 
 def test_form_cache_share_gives_every_rank_the_first_ranks_decisions():
     from bagua_x.core import form_cache
-    from bagua_x.core.autotune import FormChoice
+    from bagua_x.core.topology import FormChoice
 
     mine = [FormChoice(True, 0.5, 0.25), FormChoice(False, 1.0, 2.0)]
 

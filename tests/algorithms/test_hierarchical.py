@@ -75,6 +75,18 @@ def test_flat_when_asked_or_when_the_communicator_has_no_nodes():
         assert all(np.abs(o - w).max() <= 1e-7 for o, w in zip(out, flat_ref))
 
 
+def test_the_setting_read_back_from_the_features_and_the_layout_rule():
+    from bagua_x.core.topology import two_level_on
+
+    assert [ByteGrad(hierarchical=h).hierarchical_setting for h in (True, None, False)] == [True, None, False]
+    assert [ByteGrad(hierarchical=h).timed_form for h in (True, None, False)] == [False, True, False]
+    assert GradientAllReduce().hierarchical_setting is False and QAdam().hierarchical_setting is None
+    # None: >= 2 nodes of >= 2 ranks; True: any >= 2 nodes; False: never
+    assert [two_level_on(None, n, r) for n, r in ((2, 2), (2, 1), (1, 4))] == [True, False, False]
+    assert [two_level_on(True, n, r) for n, r in ((2, 1), (1, 4))] == [True, False]
+    assert not two_level_on(False, 4, 4)
+
+
 def test_default_is_flat_with_one_rank_per_node_and_forced_runs_in_two_levels():
     out, comms = run(4, gradient_job(ByteGrad(), 4, steps=1), local_size=1)
     assert all(c.ops() == ["alltoall", "allgather"] and c.within.sent == [] for c in comms)

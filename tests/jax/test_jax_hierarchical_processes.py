@@ -183,7 +183,7 @@ def test_the_form_cache_keeps_a_decision_that_fits_and_times_again_where_the_ste
     take 0.5 s more, finds no decision within 25 % and runs the whole trial after that block."""
     import json
 
-    from bagua_x.core.autotune import StepTrial
+    from bagua_x.core.topology import StepTrial
 
     total, block = 17, StepTrial.BLOCK + 1
     cache = tmp_path / "forms.json"

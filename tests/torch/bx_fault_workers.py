@@ -218,7 +218,7 @@ def crafted_pickle_refused(marker):
     import bagua_x.torch as bxt
     from bagua_x.core.errors import BaguaXError
     from bagua_x.torch.distributed import allgather_bytes, check_same_buckets, private_group
-    from bagua_x.torch.nodes import agree_on_nodes
+    from bagua_x.torch.node_form import agree_on_nodes
     from bagua_x.torch.store import restart_count
 
     rank, _ = _init()

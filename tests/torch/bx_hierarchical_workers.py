@@ -208,7 +208,7 @@ def _train_measured(algorithm, rank: int, steps, delays: dict, seed: int, load=N
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    from bagua_x.core.autotune import StepTrial
+    from bagua_x.core.topology import StepTrial
 
     if seen is not None:
         def note(m, _):

@@ -207,7 +207,7 @@ def test_the_form_cache_keeps_a_decision_that_fits_and_times_again_where_the_ste
     """BAGUA_X_FORM_CACHE set on rank 0 only (the others follow its decisions): a first job times the forms and
     records over nodes; a second, alike, keeps it after one block over nodes (no step flat); a third, whose steps
     take 0.5 s more, finds no decision within 25 % and times both forms again, recorded beside the first."""
-    from bagua_x.core.autotune import StepTrial
+    from bagua_x.core.topology import StepTrial
 
     cache = tmp_path / "forms.json"
     res = run_workers("bx_hierarchical_workers:cached", nproc=4, args=("ByteGrad", SKEWS["over nodes"], str(cache)),

@@ -65,7 +65,7 @@ def main():
     import torch
     import torch.distributed as dist
 
-    from bagua_x.core.autotune import StepTrial
+    from bagua_x.core.topology import StepTrial
     from bagua_x.core.comm import Feature
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,7 +89,7 @@ def main():
     rank = dist.get_rank()
     if rank == 0:  # the defaults' choice of form, with the times it was made on (DEBUG: each trial step's)
         logging.basicConfig(format="%(message)s")
-        logging.getLogger("bagua_x.core.autotune").setLevel(logging.DEBUG)
+        logging.getLogger("bagua_x.core.topology").setLevel(logging.DEBUG)
     x, y = bench.zoo.batch(args.model, rank)
     names = ["compute", "ddp"] + (["ddp_adam"] if "qadam" in args.algorithms else [])
     names += [f"{a}/{mode}" for a in args.algorithms

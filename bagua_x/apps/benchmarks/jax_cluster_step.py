@@ -41,7 +41,7 @@ import numpy as np
 import bagua_x.jax as bxj
 from bagua_x.apps.benchmarks.shared import ALGORITHMS, JAX_MODELS, make_algorithm
 from bagua_x.apps.quiet import without_gloo_lines
-from bagua_x.core.autotune import StepTrial
+from bagua_x.core.topology import StepTrial
 
 AXIS = "batch"
 
@@ -194,7 +194,7 @@ def run(args) -> dict:
     rank = jax.process_index()
     if rank == 0:  # each measured default's form and timings, as torch's cluster_step logs them
         logging.basicConfig(format="%(message)s")
-        logging.getLogger("bagua_x.core.autotune").setLevel(logging.DEBUG)  # with each trial step
+        logging.getLogger("bagua_x.core.topology").setLevel(logging.DEBUG)  # with each trial step
     names = ["compute", "pmean", "allreduce"] + [a for a in args.algorithms if a != "allreduce"]
     if args.forms:  # the algorithms whose default is measured: hierarchical=None
         names += [f"{a}/{form}" for a in args.algorithms

@@ -1,4 +1,8 @@
-"""Flat or over nodes, chosen by timing both forms (Bagua's autotuning, in-process).
+"""The two-level form: when a node layout allows it, and flat or over nodes chosen by timing both forms.
+
+On the layout (:func:`two_level_on`): with one rank per node the two levels
+would be the flat exchange again, and on one node there is no slow link to
+spare, so ``hierarchical=None`` runs over nodes only on >= 2 nodes of >= 2 ranks.
 
 Which form of a hierarchical algorithm is faster depends on the links: with
 NVLink inside a node the in-node reduce-scatter is nearly free and the two
@@ -31,11 +35,17 @@ import logging
 import statistics
 from typing import Callable, Optional, Sequence
 
-__all__ = ["FormChoice", "FITS", "StepTrial"]
+__all__ = ["FormChoice", "FITS", "StepTrial", "two_level_on"]
 
 log = logging.getLogger(__name__)
 
 FITS = 0.25  # a recorded decision holds while a step in its form takes within 25 % of the recorded time
+
+
+def two_level_on(setting: Optional[bool], nodes: int, ranks_per_node: int) -> bool:
+    """:func:`~bagua_x.algorithms.base.hierarchical`'s decision from the node layout alone, before any node group exists:
+    frontends check that every rank decides the same before they make groups."""
+    return setting is not False and nodes >= 2 and (setting is True or ranks_per_node >= 2)
 
 
 @dataclasses.dataclass(frozen=True)
