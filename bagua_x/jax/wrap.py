@@ -103,7 +103,6 @@ class DataParallel:
             called at jit level (:meth:`DataParallel.value_and_grad`), and where
             ``replicate`` / ``init`` lay trees out (default: the mesh of
             ``jax.set_mesh`` around each call); ``world_size`` defaults to that axis's size.
-
     """
 
     def __init__(

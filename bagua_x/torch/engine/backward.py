@@ -141,6 +141,7 @@ class BackwardEngine(BucketedEngine):
         """End of backward, after every bucket is communicated."""
 
     def _end_backward(self) -> None:
+        """The end-of-backward callback: launch what is left, wait for every bucket, check none was missed."""
         try:
             try:
                 final = self._ready.end()

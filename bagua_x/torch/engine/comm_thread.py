@@ -1,8 +1,8 @@
 """The communication thread of every torch engine and of the DDP comm hook, and the job most of them run on
 it: a bucket reduced in place by its algorithm.
 
-A gradient goes from its hook to the collective through the engine's
-``_on_ready`` (:mod:`.gradient`), :meth:`CommWorker.submit` here, then on
+A gradient goes from its hook (:mod:`.backward`) to the collective through
+the engine's ``_on_ready`` (:mod:`.gradient`), :meth:`CommWorker.submit` here, then on
 the thread :meth:`CommWorker._execute` -> :func:`reduce_in_place` ->
 ``algorithm.reduce`` -> the communicator: 8 frames (``benchmarks/control_path.py``
 prints them).
@@ -75,20 +75,21 @@ class BucketSlot:
 
 def reduce_in_place(algorithm: Algorithm, flat: torch.Tensor, slot: BucketSlot, comm: TorchCommunicator,
                     finite: Optional[str] = None) -> None:
-    """``flat <- reduce(flat)``, in place, and ``slot.state`` replaced: the one call site of the algorithm
+    """``flat <- reduce(flat)``, in place, then ``slot.state`` replaced: the one call site of the algorithm
     interface in the torch frontend (engines and the comm hook).  ``finite``, what the bucket holds
     ("gradient"...): raise naming its tensors when a reduced value is NaN or infinite on any rank, on every
     rank alike (wrap's ``check_finite``; collective, so every rank passes ``finite`` or none)."""
     local_bad = non_finite_tensors(slot.bucket, flat) if finite else []
     if algorithm.donates_input:
         with comm.donate(flat):
-            out, slot.state = algorithm.reduce(flat, slot.layout, slot.state, comm)
+            out, state = algorithm.reduce(flat, slot.layout, slot.state, comm)
     else:
-        out, slot.state = algorithm.reduce(flat, slot.layout, slot.state, comm)
+        out, state = algorithm.reduce(flat, slot.layout, slot.state, comm)
     if out is not flat:
         flat.copy_(out)
     if finite:
         check_finite(slot.bucket, flat, local_bad, finite, comm)
+    slot.state = state  # once the reduction and its check passed: a failed one leaves the state as it was
 
 
 class CommWorker:

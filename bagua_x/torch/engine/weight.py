@@ -126,6 +126,7 @@ class WeightEngine(BucketedEngine):
             self._hooks.arm()
 
     def _land(self) -> None:
+        """Write the exchange in flight (if any) into the parameters, once the training stream waited for it."""
         if self._in_flight is None:
             return
         flats, self._in_flight = self._in_flight, None
