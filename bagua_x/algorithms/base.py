@@ -102,7 +102,9 @@ def _empty(value) -> bool:
 class Algorithm:
     """Base class; subclasses are frozen dataclasses of hyperparameters."""
 
+    #: what the frontend hands ``reduce``: gradients, weights or the optimizer's momentum
     target = Target.GRAD
+    #: when in the step the frontend runs it (after backward, before forward, after the optimizer step...)
     phase = Phase.AFTER_BACKWARD
     #: ``reduce`` consumes ``flat``: it may write its result over it (where arrays are
     #: mutable) and never reads it after handing it to its first collective, so a
