@@ -1,7 +1,7 @@
 """DiLoCo swept over H, P and bits against GradientAllReduce, in one job: loss, accuracy, bytes, step time.
 
     sudo bagua-x cluster --nodes 2 --nproc-per-node 2 --inter-node 100mbit -- \\
-        python benchmarks/diloco_sweep.py [--steps 200] [--json OUT]
+        python benchmarks/diloco_sweep.py [--steps 200] [--json OUT] [--plot OUT.png]
         [--h 8 --p 4 --bits 32 --tau 0 1]   # Streaming's overlap: tau = 1 against tau = 0
 
 Every rank trains the demo's MLP (64-256-256-10, on the digits, SGD with
@@ -20,7 +20,8 @@ from node 0's veth counters (``/proc/net/dev``, read by rank 0 between
 barriers: measured, under ``bagua-x cluster`` only, so with the barriers'
 few kB per run); both as a ratio to GradientAllReduce's; the step time (the
 slowest rank's training clock, evaluations off it) as a ratio to
-GradientAllReduce's.  Rank 0 prints the table (and ``--json``).
+GradientAllReduce's.  Rank 0 prints the table (and ``--json``; ``--plot``: accuracy against link bytes and
+against step time, one point per setting, matplotlib).
 """
 
 import argparse
@@ -119,6 +120,47 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def plot(rows, path: str) -> None:
+    """Held-out accuracy against bytes across the link and against step time, both relative to allreduce's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = rows[0]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    colors = {32: "tab:blue", 8: "tab:orange", 4: "tab:green"}
+    markers = {1: "o", 10: "s", 50: "^"}
+    for r in rows:
+        measured = r["link_per_step"] is not None and base["link_per_step"] is not None
+        x_bytes = (r["link_per_step"] / base["link_per_step"] if measured
+                   else r["sent_per_step"] / base["sent_per_step"])
+        x_time = r["step_ms"] / base["step_ms"]
+        if r is base:
+            style = {"color": "black", "marker": "*", "s": 160}
+        else:
+            fields = dict(f.split("=") for f in r["setting"].split()[1:])
+            style = {"color": colors.get(int(fields["bits"]), "gray"), "marker": markers.get(int(fields["H"]), "D"),
+                     "s": 40 if fields["P"] == "1" else 90, "alpha": 0.8}
+        for ax, x in zip(axes, (x_bytes, x_time)):
+            ax.scatter(x, r["accuracy"], **style)
+    for ax, label in zip(axes, ("bytes across the node link, x allreduce's", "step time, x allreduce's")):
+        ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("held-out accuracy")
+    low = min(r["accuracy"] for r in rows if r["accuracy"] > 0.5)
+    axes[0].set_ylim(max(0.5, low - 0.03), 1.0)
+    handles = [plt.Line2D([], [], color="black", marker="*", linestyle="", markersize=12, label="GradientAllReduce")]
+    handles += [plt.Line2D([], [], color=c, marker="o", linestyle="", label=f"{b} bits") for b, c in colors.items()]
+    handles += [plt.Line2D([], [], color="gray", marker=m, linestyle="", label=f"H={h}") for h, m in markers.items()]
+    handles += [plt.Line2D([], [], color="gray", marker="o", linestyle="", markersize=10, label="P=4 (large)")]
+    axes[1].legend(handles=handles, loc="lower right", fontsize=8)
+    fig.suptitle(f"DiLoCo swept: {len(rows) - 1} settings, link {os.environ.get('BAGUA_X_LINK', 'loopback')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -132,6 +174,7 @@ def main():
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
+    parser.add_argument("--plot", help="a PNG of accuracy against link bytes and step time")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -145,6 +188,8 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
+        if args.plot:
+            plot(rows, args.plot)
     dist.destroy_process_group()
 
 

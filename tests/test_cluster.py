@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bagua_x.algorithms import TopK
@@ -327,4 +328,33 @@ def test_fault_tolerant_cluster_restarts_a_dead_node_which_heals_across_namespac
     weights = [torch.load(f"{tmp_path}/node{n}-rank{r}.jsonl.pt")["model"] for n in (0, 1) for r in (0, 1)]
     for w in weights[1:]:
         assert all(torch.equal(w[k], weights[0][k]) for k in weights[0])
+    assert own_namespaces(prefix) == []
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_a_fault_tolerant_jax_node_restarts_and_heals_across_namespaces(tmp_path):
+    """The same with JAX nodes (one process and 2 CPU devices each, DiLoCo at H = 4, the outer exchange on the
+    host through torchft): node 1 kills itself at its 30th inner step, its torchrun restarts it, and it heals
+    from node 0 across the namespaces: its data position jumps to node 0's, every outer step of node 0 is
+    committed once, and both end with the same weights and DiLoCo state."""
+    pytest.importorskip("torchft")
+    env = dict(os.environ, BX_FT_DIE_AT="30", RUST_LOG="warn")
+    log = tmp_path / "node{node}.jsonl"
+    rc, out, prefix = run_cluster("--nodes", "2", "--nproc-per-node", "1", "--fault-tolerant", "--max-restarts", "1",
+                                  "--timeout", "200", "--", "python", str(ROOT / "tests" / "jax" / "bx_ft_jax_node.py"),
+                                  "diloco", "4", "200", str(log), "0.02", env=env, timeout=260)
+    assert rc == 0, out[-5000:]
+    lines = [[json.loads(x) for x in (tmp_path / f"node{n}.jsonl").read_text().splitlines()] for n in (0, 1)]
+    node1 = lines[1]
+    gaps = [i for i in range(1, len(node1)) if node1[i]["inner"] <= node1[i - 1]["inner"]]  # the restart
+    assert gaps == [30], (gaps, out[-3000:])
+    healed = next(e for e in node1[30:] if e["committed"])
+    assert healed["inner"] > 30 and healed["nodes"] == 2, "the restarted node started over instead of healing"
+    committed = [e["step"] for e in lines[0] if e["committed"]]
+    assert committed == list(range(1, len(committed) + 1)), committed
+    finals = [np.load(tmp_path / f"node{n}.jsonl.npz") for n in (0, 1)]
+    assert finals[0].files == finals[1].files
+    for name in finals[0].files:
+        assert np.array_equal(finals[0][name], finals[1][name]), name
     assert own_namespaces(prefix) == []

@@ -15,6 +15,10 @@ Weight algorithms (DiLoCo, Decentralized, LowPrecisionDecentralized, ModelAverag
 QAdam is an optimizer, ``dp.optimizer()``.  What runs at jit level, and why
 gradients inside a typed ``shard_map`` need care: :mod:`.mesh_step`.
 
+Losing a node: ``wrap(..., algorithm=DiLoCo(...), fault_tolerance=bagua_x.jax.FaultTolerance())`` makes
+this process and its devices one node of a torchft job that trains on when another dies, DiLoCo's exchange
+between nodes on the host through ``dp.sync_replicas`` (see :mod:`.fault_tolerance`; needs ``bagua-x[ft]``).
+
 Faults: ``wrap(..., timeout=s, check_finite=True)`` with the step called as
 ``train_step = dp.step(jax.pmap(step, axis_name="batch"))``: a step that does
 not finish in time ends the process with a report naming the processes that
@@ -37,4 +41,15 @@ from .distributed import init_distributed
 from .placement import replicate, unreplicate
 from .wrap import DataParallel, wrap
 
-__all__ = ["AxisCommunicator", "DataParallel", "wrap", "init_distributed", "replicate", "unreplicate"]
+__all__ = ["AxisCommunicator", "DataParallel", "wrap", "init_distributed", "replicate", "unreplicate",
+           "FaultTolerance"]
+
+
+def __getattr__(name: str):
+    """``FaultTolerance`` (:mod:`bagua_x.ft`) imported when first asked for: it imports torch, which
+    ``bagua_x.jax`` needs only for ``wrap(..., fault_tolerance=...)``."""
+    if name == "FaultTolerance":
+        from ..ft import FaultTolerance
+
+        return FaultTolerance
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

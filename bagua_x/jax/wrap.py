@@ -103,6 +103,9 @@ class DataParallel:
             called at jit level (:meth:`DataParallel.value_and_grad`), and where
             ``replicate`` / ``init`` lay trees out (default: the mesh of
             ``jax.set_mesh`` around each call); ``world_size`` defaults to that axis's size.
+        fault_tolerance: a :class:`bagua_x.ft.FaultTolerance`: this process and its devices are one node (a
+            torchft replica group) of a job that survives losing a node; DiLoCo's exchange between nodes runs
+            on the host through :meth:`sync_replicas` (:mod:`.fault_tolerance`).  Needs ``bagua-x[ft]``.
     """
 
     def __init__(
@@ -119,8 +122,13 @@ class DataParallel:
         devices_per_node: Optional[int] = None,
         first_step_timeout: Optional[float] = None,
         mesh: Optional[jax.sharding.Mesh] = None,
+        fault_tolerance: Optional[Any] = None,
     ):
         self.algorithm = algorithm if algorithm is not None else GradientAllReduce()
+        if fault_tolerance is not None:
+            from .fault_tolerance import check_supported  # imports torch: only where asked for
+
+            self.algorithm = check_supported(self.algorithm)
         if mesh is not None:
             check_mesh_axis(mesh, axis_name, "bagua_x.jax.wrap: the mesh")
         self.mesh = mesh
@@ -159,7 +167,8 @@ class DataParallel:
                  "world_size": self.world_size, "timeout": timeout, "first_step_timeout": first_step_timeout,
                  "check_finite": bool(check_finite),
                  "devices_per_node": devices_per_node or default_local_size(),  # the node layout
-                 "mesh": dict(mesh.shape) if mesh is not None else None},
+                 "mesh": dict(mesh.shape) if mesh is not None else None,
+                 "fault_tolerance": fault_tolerance is not None},
             ),
             "bagua_x.jax.wrap: the params trees or settings differ across processes",
         )
@@ -177,6 +186,11 @@ class DataParallel:
             self.algorithm, self.layouts, self.world_size, local)) if trial else None
         self._guard = StepGuard(timeout, first_step_timeout, self._finite, self._forms,
                                 branches=self.algorithm.branch_key(0) is not None)
+        self._node = None  # fault_tolerance's host side (.fault_tolerance.NodeExchange)
+        if fault_tolerance is not None:
+            from .fault_tolerance import NodeExchange
+
+            self._node = NodeExchange(self, fault_tolerance)
         logger.info(
             "bagua_x.jax.wrap: %d leaves in %d buckets, %s, world size %d%s",
             len(self.names), len(self.bucket_leaves), self.algorithm.hyperparameters(), self.world_size,
@@ -352,6 +366,10 @@ class DataParallel:
         """
         call = "dp.sync_params(params, state)"
         self._only_for(Target.WEIGHT, call)
+        if self._node is not None:
+            raise BaguaXError(f"{call}: with fault_tolerance the exchange between nodes runs on the host: leave it "
+                              "out of the jitted step and call params, opt_state, state = "
+                              "dp.sync_replicas(params, opt_state, state) after each step")
         if not axis_bound(self.axis_name):
             self._check_stacked(params, state, call)
             mesh = step_mesh(self.mesh, self.axis_name, call)
@@ -420,6 +438,34 @@ class DataParallel:
         return optax.GradientTransformation(init, update)
 
     # -- around the step, on the host ----------------------------------------------------------
+    def sync_replicas(self, params: Any, opt_state: Any, state: tuple) -> tuple[Any, Any, tuple]:
+        """With ``fault_tolerance``: DiLoCo's exchange between nodes, on the host, after each inner step (a
+        jitted step that averages gradients over this node's devices: :meth:`value_and_grad`).
+
+        ``params, opt_state, state = dp.sync_replicas(params, opt_state, state)``, all three as the step
+        returns them (params one copy per device).  At an outer step: the quorum, healing this node from a
+        live one if it is behind (which replaces all three), the exchange over the live nodes, and the vote;
+        a step that some node could not complete returns the inputs unchanged and is retried at the next
+        call.  Between outer steps it only advances the algorithm's step counter, on the devices.
+        (:mod:`.fault_tolerance`.)
+        """
+        if self._node is None:
+            raise BaguaXError("dp.sync_replicas: this wrap has no fault_tolerance; pass "
+                              "wrap(..., fault_tolerance=bagua_x.ft.FaultTolerance()), or call dp.sync_params in "
+                              "the step")
+        return self._node.sync(params, opt_state, state)
+
+    @property
+    def replicas(self):
+        """With ``fault_tolerance``: the node's :class:`bagua_x.ft.Replicas` (``keep(key, save, load)`` for
+        state a healing node takes, such as the data position; ``manager``, torchft's); else None."""
+        return self._node.replicas if self._node is not None else None
+
+    def shutdown(self) -> None:
+        """Stop the torchft manager of ``fault_tolerance`` (nothing to do without it)."""
+        if self._node is not None:
+            self._node.replicas.shutdown()
+
     def step(self, fn: Callable) -> Callable:
         """``fn`` (the pmapped / jitted training step) with this wrap's host-side work around each call
         (:mod:`.step`).
@@ -492,7 +538,10 @@ class DataParallel:
 
     def _node_mean(self, flat, layout, state, comm):
         """The node's mean of ``flat`` where the algorithm runs over nodes (the communicator offers node groups
-        and the algorithm uses them), else ``flat``: the gradient step of a node that is one worker."""
+        and the algorithm uses them), else ``flat``: the gradient step of a node that is one worker.  With
+        fault_tolerance the node is this process's devices: the whole axis."""
+        if self._node is not None:
+            return comm.allreduce(flat, ReduceOp.AVG).astype(flat.dtype), state
         if Feature.HIERARCHICAL in self.algorithm.uses and Feature.HIERARCHICAL in comm.features:
             flat = comm.within.allreduce(flat, ReduceOp.AVG).astype(flat.dtype)
         return flat, state

@@ -59,7 +59,7 @@ on first use of the name, so torch users need no Lightning).
 from .communicator import TorchCommunicator
 from .integrations.bagua_compat import enable_bagua_api
 from .integrations.comm_hook import CommHookState, comm_hook
-from .fault_tolerance import FaultTolerance
+from ..ft import FaultTolerance
 from .optim import QAdamOptimizer
 from .wrap import DistributedModel, wrap
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..core.comm import Feature, ReduceOp
 from ..core.errors import BaguaXError
+from ..ft.torch_ops import reduce_rows, torch_op
 from .distributed import private_group
 from .node_form import agree_on_nodes
 
@@ -30,9 +31,6 @@ log = logging.getLogger(__name__)
 # recent torch renamed the flat tensor-in/tensor-out collectives (the old names warn); older releases lack the new
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-_TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
-
 
 class TorchCommunicator:
     """bagua_x collectives on a ``torch.distributed`` process group (the default group if ``None``)."""
@@ -98,7 +96,7 @@ class TorchCommunicator:
             else:
                 out.floor_divide_(self._size)
         else:
-            self._wait(dist.all_reduce(out, _op(op), group=self.group, async_op=True), out)
+            self._wait(dist.all_reduce(out, torch_op(op), group=self.group, async_op=True), out)
         return out
 
     def allgather(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,12 +117,12 @@ class TorchCommunicator:
         and faster than gloo's own reduce-scatter on CPU (measured on the docs' Performance page)."""
         self._check_rows(x, "reduce_scatter")
         x = x.contiguous()
-        torch_op = dist.ReduceOp.SUM if op is ReduceOp.AVG else _op(op)
+        reduce_op = dist.ReduceOp.SUM if op is ReduceOp.AVG else torch_op(op)
         if x.device.type == "cpu":
-            out = _reduce_rows(self.alltoall(x), op if op is not ReduceOp.AVG else ReduceOp.SUM)
+            out = reduce_rows(self.alltoall(x), op if op is not ReduceOp.AVG else ReduceOp.SUM)
         else:
             out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
-            self._wait(_reduce_scatter_flat(out.reshape(-1), x.reshape(-1), torch_op, group=self.group,
+            self._wait(_reduce_scatter_flat(out.reshape(-1), x.reshape(-1), reduce_op, group=self.group,
                                             async_op=True), out)
         if op is ReduceOp.AVG:
             out = out / self._size if out.is_floating_point() else out // self._size
@@ -251,18 +249,3 @@ class TorchCommunicator:
                 f"{what} needs an array whose first dimension is the world size {self._size} (one row per rank), "
                 f"got shape {tuple(x.shape)}"
             )
-
-
-def _op(op: ReduceOp):
-    try:
-        return _TORCH_OPS[op]
-    except KeyError:
-        raise BaguaXError(f"unsupported reduce op {op!r}; use a bagua_x.core.ReduceOp") from None
-
-
-def _reduce_rows(rows: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-    if op is ReduceOp.SUM:
-        return rows.sum(dim=0)
-    if op is ReduceOp.MIN:
-        return rows.min(dim=0).values
-    return rows.max(dim=0).values

@@ -22,6 +22,7 @@ from ..algorithms import GradientAllReduce
 from ..algorithms.base import Algorithm, Phase, Target
 from ..core.bucket import Bucket
 from ..core.errors import BaguaXError
+from ..ft import FaultTolerance, Replicas
 from . import kernels
 from .checks import input_problem
 from .communicator import TorchCommunicator
@@ -32,7 +33,7 @@ from .engine.gradient import GradientEngine
 from .engine.interface import Engine, EngineOptions
 from .engine.momentum import MomentumEngine
 from .engine.node_worker import weight_engine
-from .fault_tolerance import FaultTolerance, ReplicaGroups, Replicas, check_supported, healing_state
+from .fault_tolerance import ReplicaGroups, check_supported, healing_state
 from .ddp_args import check_ddp_arguments
 from .node_form import NodeForm
 from .optim import QAdamOptimizer

@@ -9,9 +9,7 @@ one must heal from it, and the run must end with every rank's weights equal.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ft_job import FaultJob
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchft")
@@ -34,22 +33,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-class Job:
-    """A lighthouse and the nodes of one run, all killed at the end whatever happens."""
+class Job(FaultJob):
+    """A lighthouse and the nodes of one run (RANKS processes each, torchrun-style variables)."""
 
     def __init__(self, tmp: Path, algorithm: str, target: int, delay: float):
-        self.tmp, self.algorithm, self.target, self.delay = tmp, algorithm, target, delay
-        self.procs: dict[int, list[subprocess.Popen]] = {}
-        code = ("import time\nfrom torchft._torchft import LighthouseServer\n"
-                "lh = LighthouseServer(bind='[::]:0', min_replicas=1, join_timeout_ms=2000,\n"
-                "                      heartbeat_timeout_ms=3000)\n"
-                "print(lh.address().rsplit(':', 1)[1], flush=True)\ntime.sleep(3600)\n")
-        self.lighthouse = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                           stderr=open(tmp / "lighthouse.err", "w"), text=True)
-        self.address = f"http://127.0.0.1:{self.lighthouse.stdout.readline().strip()}"
-
-    def log(self, node: int, rank: int = 0) -> Path:
-        return self.tmp / f"node{node}-rank{rank}.jsonl"
+        super().__init__(tmp)
+        self.algorithm, self.target, self.delay = algorithm, target, delay
 
     def start(self, node: int, **extra_env: str) -> None:
         port, procs = _port(), []
@@ -58,61 +47,10 @@ class Job:
                        LOCAL_WORLD_SIZE=str(RANKS), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        REPLICA_GROUP_ID=f"node{node}", TORCHFT_LIGHTHOUSE=self.address,
                        PYTHONPATH=str(ROOT), RUST_LOG="warn")
-            out = open(self.tmp / f"node{node}-rank{rank}.out", "a")
             procs.append(subprocess.Popen([sys.executable, str(NODE), self.algorithm, str(self.target),
                                            str(self.log(node, rank)), str(self.delay)],
-                                          env=env, stdout=out, stderr=subprocess.STDOUT))
+                                          env=env, stdout=open(self.out(node, rank), "a"), stderr=subprocess.STDOUT))
         self.procs[node] = procs
-
-    def kill(self, node: int) -> float:
-        for p in self.procs[node]:
-            p.send_signal(signal.SIGKILL)
-        for p in self.procs[node]:
-            p.wait()
-        return time.time()
-
-    def lines(self, node: int, rank: int = 0) -> list[dict]:
-        path = self.log(node, rank)
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-    def wait_for(self, predicate, timeout: float, what: str) -> None:
-        deadline = time.time() + timeout
-        while not predicate():
-            for node, procs in self.procs.items():
-                for p in procs:
-                    if p.poll() not in (None, 0, -signal.SIGKILL):
-                        raise AssertionError(f"node {node} exited with {p.returncode} while waiting for {what}:\n"
-                                             + self.output(node))
-            if time.time() > deadline:
-                raise AssertionError(f"no {what} within {timeout} s:\n" + self.output(0) + self.output(1))
-            time.sleep(0.05)
-
-    def finish(self, timeout: float) -> None:
-        for node, procs in self.procs.items():
-            for p in procs:
-                try:
-                    rc = p.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    raise AssertionError(f"node {node} did not finish within {timeout} s:\n" + self.output(node))
-                assert rc == 0, f"node {node} exited with {rc}:\n" + self.output(node)
-
-    def output(self, node: int) -> str:
-        tails = []
-        for rank in range(RANKS):
-            path = self.tmp / f"node{node}-rank{rank}.out"
-            lines = path.read_text().splitlines() if path.exists() else []
-            tails.append(f"--- node {node} rank {rank} ---\n" + "\n".join(
-                [line for line in lines if "torchft::" not in line][-30:]))
-        return "\n".join(tails) + "\n"
-
-    def close(self) -> None:
-        for procs in self.procs.values():
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        self.lighthouse.kill()
 
 
 @pytest.fixture
@@ -244,7 +182,7 @@ def test_a_node_with_another_model_is_refused_when_it_heals(job_factory):
         p.wait(timeout=60)
     for rank in range(RANKS):
         assert job.procs[1][rank].returncode != 0
-        text = (job.tmp / f"node1-rank{rank}.out").read_text()
+        text = job.out(1, rank).read_text()
         assert "BaguaXError" in text and "cannot heal from its peer: the model differs" in text, job.output(1)
     job.procs.pop(1)  # gone, as it should be
     trained = len(job.lines(0))
@@ -268,7 +206,8 @@ def test_settings_and_algorithms_are_checked_before_any_connection(monkeypatch):
     from bagua_x.algorithms import ByteGrad, DiLoCo, GradientAllReduce, PowerSGD, SparseLoCo
     from bagua_x.core.errors import BaguaXError
     from bagua_x.torch import FaultTolerance
-    from bagua_x.torch.fault_tolerance import check_supported, reachable_address
+    from bagua_x.ft import reachable_address
+    from bagua_x.torch.fault_tolerance import check_supported
 
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
@@ -308,5 +247,5 @@ def test_a_restarted_node_alone_never_trains_from_its_initial_weights(job_factor
     job.procs.pop(1)
     assert job.lines(1) == [], "the restarted node trained alone"
     for rank in range(RANKS):
-        text = (job.tmp / f"node1-rank{rank}.out").read_text()
+        text = job.out(1, rank).read_text()
         assert "was restarted and found no live node to heal from" in text, text[-3000:]
