@@ -150,7 +150,12 @@ def plot(rows, path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("held-out accuracy")
     low = min(r["accuracy"] for r in rows if r["accuracy"] > 0.5)
-    axes[0].set_ylim(max(0.5, low - 0.03), 1.0)
+    bottom = max(0.5, low - 0.03)
+    axes[0].set_ylim(bottom, 1.0)
+    below = [r["setting"].removeprefix("DiLoCo ") for r in rows if r["accuracy"] < bottom]
+    if below:
+        axes[0].text(0.02, 0.02, "below the axis (diverged): " + ", ".join(below), transform=axes[0].transAxes,
+                     fontsize=7)
     handles = [plt.Line2D([], [], color="black", marker="*", linestyle="", markersize=12, label="GradientAllReduce")]
     handles += [plt.Line2D([], [], color=c, marker="o", linestyle="", label=f"{b} bits") for b, c in colors.items()]
     handles += [plt.Line2D([], [], color="gray", marker=m, linestyle="", label=f"H={h}") for h, m in markers.items()]

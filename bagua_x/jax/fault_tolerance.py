@@ -11,8 +11,9 @@ There the node's weights and the algorithm's state leave the devices (one
 device's copy: a node's devices hold the same values), go to torch over
 DLPack, the algorithm's own exchange runs on them over torchft's group (the
 same code as every frontend's, a node being one worker), and the result goes
-back to every device.  Inner steps never wait for the lighthouse or copy to
-the host; a node that dies costs the others one discarded outer step, and
+back to every device.  Inner steps never wait for the lighthouse: the host
+reads each bucket's step counter (a scalar) and advances it on the devices.
+A node that dies costs the others one discarded outer step, and
 when it comes back it heals from a live one (weights, optimizer state, the
 algorithm's state less what is its own, the user's kept state) before it
 sends anything.

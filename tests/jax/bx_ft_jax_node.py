@@ -13,6 +13,7 @@ row 0 of the params and the algorithm state (``LOG.npz``).
 
 LOG may hold ``{node}`` (every node of a ``bagua-x cluster`` runs the same command).  With ``BX_FT_DIE_AT=K``
 node 1 kills itself (SIGKILL) after its K-th inner step of its first attempt, so that torchrun restarts it.
+With ``BX_FT_PMAP=1`` the step runs under ``jax.pmap`` instead of a ``jax.jit`` over the node's mesh.
 With ``BX_FT_SEED`` the initial weights' seed, the same on every node (``init_sync=False``); by default the
 node's number: nodes start apart and the first quorum makes them one.
 """
@@ -74,7 +75,8 @@ def main(name: str, sync_every: int, target: int, log_path: str, delay: float = 
     log_path = log_path.format(node=node, rank=0)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     die_at = int(os.environ.get("BX_FT_DIE_AT", "-1")) if node == 1 and first_attempt else -1
-    mesh = jax.make_mesh((DEVICES,), ("batch",))
+    pmap = os.environ.get("BX_FT_PMAP") == "1"  # the step under jax.pmap instead of jax.jit over a mesh
+    mesh = None if pmap else jax.make_mesh((DEVICES,), ("batch",))
     params = make_params(int(os.environ.get("BX_FT_SEED", node)))
     dp = bxj.wrap(params, algorithm=algorithm(name, sync_every), mesh=mesh,
                   fault_tolerance=FaultTolerance(timeout=10, quorum_timeout=float(
@@ -82,13 +84,23 @@ def main(name: str, sync_every: int, target: int, log_path: str, delay: float = 
     tx = optax.sgd(LR, momentum=MOMENTUM)
     p, o = dp.replicate(params, per_device=True), dp.replicate(tx.init(params), per_device=True)
     state = dp.init()
-    split = NamedSharding(mesh, P("batch"))
-
-    @jax.jit
-    def step(p, o, state, x, y):
+    def on_device(p, o, state, x, y):
         (loss, grads), state = dp.value_and_grad(loss_fn)(p, x, y, state=state)
-        updates, o = jax.vmap(tx.update)(grads, o, p)
-        return optax.apply_updates(p, updates), o, state, loss.mean()
+        updates, o = tx.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, state, loss
+
+    if pmap:
+        step = jax.pmap(on_device, axis_name="batch")
+        split = lambda a: a.reshape(DEVICES, -1, *a.shape[1:])  # noqa: E731
+    else:
+        @jax.jit
+        def step(p, o, state, x, y):
+            (loss, grads), state = dp.value_and_grad(loss_fn)(p, x, y, state=state)
+            updates, o = jax.vmap(tx.update)(grads, o, p)
+            return optax.apply_updates(p, updates), o, state, loss
+
+        sharding = NamedSharding(mesh, P("batch"))
+        split = lambda a: jax.device_put(a, sharding)  # noqa: E731
 
     manager = dp.replicas.manager
     position = {"inner": 0}
@@ -96,14 +108,14 @@ def main(name: str, sync_every: int, target: int, log_path: str, delay: float = 
     steps_here = 0  # in this attempt
     with open(log_path, "a") as log:
         while position["inner"] < target:
-            x, y = (jax.device_put(a, split) for a in batch(node, position["inner"]))
+            x, y = (split(a) for a in batch(node, position["inner"]))
             p, o, state, loss = step(p, o, state, x, y)
             before = manager.current_step()
             p, o, state = dp.sync_replicas(p, o, state)
             position["inner"] += 1
             log.write(json.dumps({"inner": position["inner"], "step": manager.current_step(),
                                   "committed": manager.current_step() > before, "nodes": manager.num_participants(),
-                                  "time": time.time(), "loss": float(loss)}) + "\n")
+                                  "time": time.time(), "loss": float(loss.mean())}) + "\n")
             log.flush()
             steps_here += 1
             if steps_here == die_at:

@@ -60,30 +60,30 @@ def jobs(tmp_path):
         job.close()
 
 
-def _reference(sync_every: int, steps: int) -> list[np.ndarray]:
-    """Two DiLoCo workers without bagua_x: each its own optax SGD (momentum) on its own stream, the whole node
-    batch's gradient; every H steps an optax Nesterov SGD step on the global copy with gradient
-    ``global - mean(local)``, and both workers restart from it.  The final weights, flat per leaf."""
+def _reference(sync_every: int, steps: int, nodes: int = 2) -> list[np.ndarray]:
+    """``nodes`` DiLoCo workers without bagua_x: each its own optax SGD (momentum) on its own stream, the whole
+    node batch's gradient; every H steps an optax Nesterov SGD step on the global copy with gradient
+    ``global - mean(local)``, and every worker restarts from it.  The final weights, one array per leaf."""
     import jax
     import optax
 
     import bx_ft_jax_node as node
 
     tx, outer = optax.sgd(node.LR, momentum=node.MOMENTUM), optax.sgd(0.7, momentum=0.9, nesterov=True)
-    local = [jax.tree.map(np.asarray, node.make_params(0)) for _ in range(2)]
+    local = [jax.tree.map(np.asarray, node.make_params(0)) for _ in range(nodes)]
     opts = [tx.init(p) for p in local]
     global_weights = node.make_params(0)
     outer_state = outer.init(global_weights)
     for t in range(steps):
-        for n in range(2):
+        for n in range(nodes):
             grads = jax.grad(node.loss_fn)(local[n], *node.batch(n, t))
             updates, opts[n] = tx.update(grads, opts[n], local[n])
             local[n] = optax.apply_updates(local[n], updates)
         if (t + 1) % sync_every == 0:
-            pseudo = jax.tree.map(lambda g, a, b: g - (a + b) / 2, global_weights, *local)
+            pseudo = jax.tree.map(lambda g, *ls: g - sum(ls) / nodes, global_weights, *local)
             updates, outer_state = outer.update(pseudo, outer_state, global_weights)
             global_weights = optax.apply_updates(global_weights, updates)
-            local = [global_weights, global_weights]
+            local = [global_weights] * nodes
     return [np.asarray(a) for a in jax.tree.leaves(local[0])]
 
 
@@ -107,6 +107,20 @@ def test_two_jax_nodes_equal_the_diloco_reference(jobs):
     for n in (0, 1):
         outer = [e for e in job.lines(n) if e["committed"]]
         assert [e["inner"] for e in outer] == [4, 8, 12] and all(e["nodes"] == 2 for e in outer), job.lines(n)
+
+
+@pytest.mark.timeout(120)
+def test_a_lone_jax_node_under_pmap_equals_one_diloco_worker(jobs):
+    """The same protocol with the step under ``jax.pmap`` (the node's params laid out per device by pmap), one
+    node alone in the quorum: it equals one plain optax DiLoCo worker (its own pseudo-gradient as the mean)."""
+    job = jobs("diloco", 3, 9)
+    job.start(0, BX_FT_SEED="0", BX_FT_PMAP="1")
+    job.finish(timeout=100)
+    final, expected = job.final(0)["params"], _reference(3, 9, nodes=1)
+    assert len(final) == len(expected) == 4
+    for a, e in zip(final, expected):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
+    assert [e["inner"] for e in job.lines(0) if e["committed"]] == [3, 6, 9]
 
 
 def _kill_and_restart(job: Job, after: int) -> dict:
