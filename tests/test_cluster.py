@@ -358,3 +358,52 @@ def test_a_fault_tolerant_jax_node_restarts_and_heals_across_namespaces(tmp_path
     for name in finals[0].files:
         assert np.array_equal(finals[0][name], finals[1][name]), name
     assert own_namespaces(prefix) == []
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_a_partitioned_jax_node_comes_back_without_a_restart(tmp_path):
+    """Node 1's link down for 10 s once both nodes trained together (JAX DiLoCo nodes, no restarts allowed):
+    node 0 commits outer steps alone meanwhile; node 1's collective in flight fails (its step discarded), its
+    quorum requests are asked again until the link is back, and it heals from node 0 -- its data position
+    jumps to node 0's -- within 30 s of the link's return, in the same process.  Both end at the same outer
+    step with the same weights and DiLoCo state."""
+    pytest.importorskip("torchft")
+    import time
+
+    log = tmp_path / "node{node}.jsonl"
+    events = {}
+
+    def partition(c):
+        deadline = time.time() + 120
+        while time.time() < deadline:  # both nodes committed together: the job runs
+            path = tmp_path / "node1.jsonl"
+            if path.exists() and any(json.loads(x)["nodes"] == 2 and json.loads(x)["committed"]
+                                     for x in path.read_text().splitlines()[-20:] if x.strip()):
+                break
+            time.sleep(0.2)
+        events["down"] = time.time()
+        c.set_link(1, False)
+        time.sleep(10)
+        c.set_link(1, True)
+        events["up"] = time.time()
+
+    env = dict(os.environ, RUST_LOG="warn", PYTHONPATH=str(ROOT))
+    rc = cluster.run(["python", str(ROOT / "tests" / "jax" / "bx_ft_jax_node.py"), "diloco", "4", "800", str(log),
+                      "0.05"], nodes=2, nproc_per_node=1, timeout=240, env=env, max_restarts=0,
+                     while_running=partition)
+    assert rc == 0 and "up" in events, events
+    lines = [[json.loads(x) for x in (tmp_path / f"node{n}.jsonl").read_text().splitlines()] for n in (0, 1)]
+    node0, node1 = lines
+    assert all(b["inner"] > a["inner"] for a, b in zip(node1, node1[1:])), "node 1 was restarted"
+    alone = [e for e in node0 if e["committed"] and e["nodes"] == 1 and events["down"] < e["time"] < events["up"]]
+    assert alone, "node 0 did not train on alone while node 1 was cut off"
+    jump = next(i for i in range(1, len(node1)) if node1[i]["inner"] > node1[i - 1]["inner"] + 1)
+    back = node1[jump]
+    assert back["committed"] and back["nodes"] == 2, back
+    assert back["time"] - events["up"] < 30, f"node 1 back {back['time'] - events['up']:.1f} s after the link"
+    assert node0[-1]["step"] == node1[-1]["step"] and node0[-1]["inner"] == node1[-1]["inner"] == 800
+    finals = [np.load(tmp_path / f"node{n}.jsonl.npz") for n in (0, 1)]
+    for name in finals[0].files:
+        assert np.array_equal(finals[0][name], finals[1][name]), name
+    print(f"node 1 trained with node 0 again {back['time'] - events['up']:.1f} s after its link came back")

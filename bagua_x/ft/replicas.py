@@ -56,6 +56,10 @@ __all__ = ["FaultTolerance", "Replicas", "elastic_algorithm", "reachable_address
 
 log = logging.getLogger(__name__)
 
+#: seconds one quorum request may wait before a fresh one is sent (a request lost in a partition is never
+#: answered); far above a quorum's usual wait (the lighthouse's join timeout, a few seconds)
+QUORUM_ATTEMPT_S = 10.0
+
 
 @dataclasses.dataclass(frozen=True)
 class FaultTolerance:
@@ -252,7 +256,7 @@ class Replicas:
         if self._begun:
             return
         deadline = time.monotonic() + self.settings.quorum_timeout
-        self.manager.start_quorum()
+        self._quorum(deadline)
         while not self._joined and self.manager.num_participants() < 2:
             # restarted and alone: never become the quorum with a fresh model (the others may be away for a
             # moment: a partition, their own restart); wait for one to heal from
@@ -261,10 +265,32 @@ class Replicas:
                                   f"from within quorum_timeout={self.settings.quorum_timeout:g} s; it will not train "
                                   "alone from its initial weights: restart the job from a checkpoint")
             time.sleep(1.0)
-            self.manager.start_quorum()
+            self._quorum(deadline)
         self._joined = True
         self._begun = True
         self._agree_in_node()
+
+    def _quorum(self, deadline: float) -> None:
+        """torchft's quorum, asked again until ``deadline`` when an attempt fails.
+
+        A request made while this node's link is down (a partition) is lost: the lighthouse never answers it,
+        even once the link is back.  So each attempt waits at most ``QUORUM_ATTEMPT_S`` and a fresh request
+        follows, which the lighthouse sees as soon as it can; the node then heals if the others went on
+        without it.  (torchft re-raises a failed quorum at the next ``start_quorum``: the failed one is
+        dropped first.)
+        """
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.manager.start_quorum(timeout=datetime.timedelta(seconds=max(1.0, min(QUORUM_ATTEMPT_S, left))))
+                return
+            except Exception as e:  # torchft raises the RPC's own errors (TimeoutError, RuntimeError...)
+                if time.monotonic() >= deadline:
+                    raise BaguaXError(f"bagua_x: fault tolerance: no quorum within quorum_timeout="
+                                      f"{self.settings.quorum_timeout:g} s ({e}); is the lighthouse "
+                                      f"{self.settings.lighthouse!r} reachable from this node?") from e
+                log.warning("bagua_x: fault tolerance: quorum attempt failed (%s); asking again", e)
+                self.manager._quorum_future = None
 
     def _agree_in_node(self) -> None:
         """Where any rank of this node healed, every rank takes the node's first rank's state (collective in the node).
