@@ -284,6 +284,8 @@ class Replicas:
             try:
                 self.manager.start_quorum(timeout=datetime.timedelta(seconds=max(1.0, min(QUORUM_ATTEMPT_S, left))))
                 return
+            except BaguaXError:  # this node's own verdict while healing (another model): final
+                raise
             except Exception as e:  # torchft raises the RPC's own errors (TimeoutError, RuntimeError...)
                 if time.monotonic() >= deadline:
                     raise BaguaXError(f"bagua_x: fault tolerance: no quorum within quorum_timeout="
