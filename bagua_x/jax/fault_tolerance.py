@@ -13,10 +13,9 @@ DLPack, the algorithm's own exchange runs on them over torchft's group (the
 same code as every frontend's, a node being one worker), and the result goes
 back to every device.  Inner steps never wait for the lighthouse: the host
 reads each bucket's step counter (a scalar) and advances it on the devices.
-A node that dies costs the others one discarded outer step, and
-when it comes back it heals from a live one (weights, optimizer state, the
-algorithm's state less what is its own, the user's kept state) before it
-sends anything.
+A node that dies costs the others one discarded outer step; when it comes
+back it heals from a live one (weights, optimizer state, the algorithm's
+state less what is its own, the user's kept state) before it sends anything.
 
 Only weight algorithms that declare ``elastic_nodes`` (DiLoCo, SparseLoCo):
 a gradient algorithm would stop every step on the host.  Importing this
