@@ -80,6 +80,42 @@ class FaultJob:
                 [line for line in lines if "torchft::" not in line][-30:]))
         return "\n".join(tails) + "\n"
 
+    def start(self, node: int, **env: str) -> None:
+        raise NotImplementedError  # each frontend's test starts its node's processes
+
+    def kill_and_restart(self, after: int, rejoin_timeout: float, **restart_env: str) -> dict:
+        """Start both nodes; once node 1 committed step ``after`` with node 0, SIGKILL node 1; once node 0
+        committed after the kill, start node 1 again (with ``restart_env``) and run the job to its end.
+
+        What was measured: ``survivor_resumed`` (s from the kill to node 0's next commit), ``alone`` (that
+        commit had one node), ``steps_at_kill`` (node 0's committed steps then), ``rejoined`` (s from the
+        restart to node 1's first commit), ``first_commit_after_restart`` (its log line) and ``before`` (node
+        1's log lines before the restart).
+        """
+        self.start(0)
+        self.start(1)
+        self.wait_for(lambda: any(e["committed"] and e["nodes"] == 2 and e["step"] >= after for e in self.lines(1)),
+                      120, "two-node steps before the kill")
+        killed_at = self.kill(1)
+        self.wait_for(lambda: any(e["committed"] and e["time"] > killed_at for e in self.lines(0)), 30,
+                      "a commit on node 0 after the kill")
+        survivor = [e for e in self.lines(0) if e["committed"] and e["time"] > killed_at]
+        steps_at_kill = max(e["step"] for e in self.lines(0) if e["time"] <= killed_at)
+        before = len(self.lines(1))
+        restarted_at = time.time()
+        self.start(1, **restart_env)
+        self.wait_for(lambda: any(e["committed"] and e["nodes"] == 2 for e in self.lines(1)[before:]), rejoin_timeout,
+                      "a two-node step of the restarted node")
+        after_restart = self.lines(1)[before:]
+        self.finish(timeout=120)
+        first = next(e for e in after_restart if e["committed"])
+        measured = {"survivor_resumed": survivor[0]["time"] - killed_at, "alone": survivor[0]["nodes"] == 1,
+                    "steps_at_kill": steps_at_kill, "rejoined": first["time"] - restarted_at,
+                    "first_commit_after_restart": first, "before": before}
+        print(f"node 0 committed again {measured['survivor_resumed']:.1f} s after the kill; node 1 trained with it "
+              f"again {measured['rejoined']:.1f} s after its restart")
+        return measured
+
     def close(self) -> None:
         for procs in self.procs.values():
             for p in procs:

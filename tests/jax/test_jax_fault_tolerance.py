@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,15 +27,16 @@ NODE = ROOT / "tests" / "jax" / "bx_ft_jax_node.py"
 class Job(FaultJob):
     """A lighthouse and one JAX process per node."""
 
-    def __init__(self, tmp: Path, algorithm: str, sync_every: int, target: int, min_replicas: int = 1):
+    def __init__(self, tmp: Path, algorithm: str, sync_every: int, target: int, min_replicas: int = 1,
+                 delay: float = 0.0):
         super().__init__(tmp, min_replicas)
-        self.args = [algorithm, str(sync_every), str(target)]
+        self.args, self.delay = [algorithm, str(sync_every), str(target)], delay
 
-    def start(self, node: int, delay: float = 0.0, **env: str) -> None:
+    def start(self, node: int, **env: str) -> None:
         env = dict(os.environ, **env, REPLICA_GROUP_ID=f"node{node}", TORCHFT_LIGHTHOUSE=self.address,
                    PYTHONPATH=str(ROOT), RUST_LOG="warn")
         env.pop("XLA_FLAGS", None)  # the node sets its own 2 devices
-        self.procs[node] = [subprocess.Popen([sys.executable, str(NODE), *self.args, str(self.log(node)), str(delay)],
+        self.procs[node] = [subprocess.Popen([sys.executable, str(NODE), *self.args, str(self.log(node)), str(self.delay)],
                                              env=env, stdout=open(self.out(node), "a"), stderr=subprocess.STDOUT)]
 
     def final(self, node: int) -> dict:
@@ -123,31 +123,6 @@ def test_a_lone_jax_node_under_pmap_equals_one_diloco_worker(jobs):
     assert [e["inner"] for e in job.lines(0) if e["committed"]] == [3, 6, 9]
 
 
-def _kill_and_restart(job: Job, after: int) -> dict:
-    """Kill node 1 once both nodes committed ``after`` outer steps together, start it again; what was measured."""
-    job.start(0, delay=0.02)
-    job.start(1, delay=0.02)
-    job.wait_for(lambda: any(e["committed"] and e["nodes"] == 2 and e["step"] >= after for e in job.lines(1)),
-                 120, "two-node outer steps before the kill")
-    killed_at = job.kill(1)
-    job.wait_for(lambda: any(e["committed"] and e["time"] > killed_at for e in job.lines(0)), 30,
-                 "an outer step committed on node 0 after the kill")
-    survivor = [e for e in job.lines(0) if e["committed"] and e["time"] > killed_at]
-    before = len(job.lines(1))
-    restarted_at = time.time()
-    job.start(1, delay=0.02, TORCHELASTIC_RESTART_COUNT="1")
-    job.wait_for(lambda: any(e["committed"] and e["nodes"] == 2 for e in job.lines(1)[before:]), 90,
-                 "a two-node outer step of the restarted node")
-    after_restart = job.lines(1)[before:]
-    job.finish(timeout=120)
-    measured = {"survivor_resumed": survivor[0]["time"] - killed_at, "alone": survivor[0]["nodes"] == 1,
-                "rejoined": min(e["time"] for e in after_restart if e["committed"]) - restarted_at,
-                "first_commit_after_restart": next(e for e in after_restart if e["committed"])}
-    print(f"{job.args[0]}: node 0 committed again {measured['survivor_resumed']:.1f} s after the kill; node 1 "
-          f"committed with it {measured['rejoined']:.1f} s after its restart")
-    return measured
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("algorithm", ["diloco", "sparseloco"])
 def test_a_killed_jax_node_heals_while_the_other_trains_on(jobs, algorithm):
@@ -156,8 +131,8 @@ def test_a_killed_jax_node_heals_while_the_other_trains_on(jobs, algorithm):
     momentum, the data position) and commits with it; both end (at an outer step) with bitwise equal weights and
     algorithm state (not the inner optimizer's, nor SparseLoCo's error feedback: each worker's own), and node
     0's outer steps are committed once each, none skipped."""
-    job = jobs(algorithm, 4, 400)  # node 0 alone trains on for >= 8 s: longer than node 1's restart under load
-    measured = _kill_and_restart(job, after=3)
+    job = jobs(algorithm, 4, 400, delay=0.02)  # node 0 alone trains on for >= 8 s: more than node 1's restart
+    measured = job.kill_and_restart(after=3, rejoin_timeout=90, TORCHELASTIC_RESTART_COUNT="1")
     assert measured["survivor_resumed"] < 30 and measured["rejoined"] < 90, measured
     assert measured["alone"], "node 0's first commit after the kill had two nodes: the kill was not seen"
     # healed: the data position is the peer's, far past the restarted node's own first outer step (4)
@@ -179,8 +154,8 @@ def test_a_killed_jax_node_heals_while_the_other_trains_on(jobs, algorithm):
 def test_a_jax_node_with_another_model_is_refused_when_it_heals(jobs):
     """A node that joins a running job with another model cannot heal from it: it raises a BaguaXError naming
     what differs, while the job trains on."""
-    job = jobs("diloco", 4, 100_000)
-    job.start(0, delay=0.02)
+    job = jobs("diloco", 4, 100_000, delay=0.02)
+    job.start(0)
     job.wait_for(lambda: sum(e["committed"] for e in job.lines(0)) >= 2, 60, "outer steps of node 0")
     job.start(1, BX_FT_HIDDEN="8")
     job.procs[1][0].wait(timeout=60)

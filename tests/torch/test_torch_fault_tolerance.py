@@ -13,7 +13,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -100,32 +99,6 @@ def _assert_equal_everywhere(job: Job, values: list[dict], what: str, own: tuple
                 f"healing; last steps: {job.lines(0)[-3:]} {job.lines(1)[-3:]}")
 
 
-def _kill_and_restart(job: Job, after_step: int) -> dict:
-    """Kill node 1 once both nodes committed ``after_step`` steps together, start it again; what was measured."""
-    job.start(0)
-    job.start(1)
-    job.wait_for(lambda: any(e["committed"] and e["nodes"] == 2 and e["step"] >= after_step for e in job.lines(1)),
-                 120, "two-node steps before the kill")
-    killed_at = job.kill(1)
-    job.wait_for(lambda: any(e["committed"] and e["time"] > killed_at for e in job.lines(0)), 30,
-                 "commit on node 0 after the kill")
-    survivor = [e for e in job.lines(0) if e["committed"] and e["time"] > killed_at]
-    steps_at_kill = max(e["step"] for e in job.lines(0) if e["time"] <= killed_at)
-    before = len(job.lines(1))
-    restarted_at = time.time()
-    job.start(1)
-    job.wait_for(lambda: any(e["committed"] and e["nodes"] == 2 for e in job.lines(1)[before:]), 60,
-                 "a two-node step of the restarted node")
-    after = job.lines(1)[before:]
-    measured = {"survivor_resumed": survivor[0]["time"] - killed_at,
-                "rejoined": min(e["time"] for e in after if e["committed"]) - restarted_at,
-                "alone": survivor[0]["nodes"] == 1, "steps_at_kill": steps_at_kill, "before": before}
-    job.finish(timeout=120)
-    print(f"{job.algorithm}: node 0 committed again {measured['survivor_resumed']:.1f} s after the kill; node 1 "
-          f"trained again {measured['rejoined']:.1f} s after its restart")
-    return measured
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("algorithm", ["allreduce", "bytegrad"])
 def test_a_killed_node_heals_while_the_other_trains_on(job_factory, algorithm):
@@ -133,7 +106,7 @@ def test_a_killed_node_heals_while_the_other_trains_on(job_factory, algorithm):
     started again, heals from node 0 and trains with it within 60 s; the weights end equal on every rank, and
     the committed steps consume the global batch count exactly once (no batch lost or seen twice)."""
     job = job_factory(algorithm, target=260)
-    measured = _kill_and_restart(job, after_step=40)
+    measured = job.kill_and_restart(after=40, rejoin_timeout=60)
     assert measured["survivor_resumed"] < 30 and measured["rejoined"] < 60
     assert measured["alone"], "node 0's first commit after the kill had two nodes: the kill was not seen"
     after = job.lines(1)[measured["before"]:]
@@ -155,7 +128,7 @@ def test_diloco_survives_a_killed_node_and_heals_its_outer_state(job_factory, al
     error feedback, the inner optimizer and the data position) and from there every rank holds the same global
     weights and outer state, bit for bit."""
     job = job_factory(algorithm, target=480)
-    measured = _kill_and_restart(job, after_step=12)
+    measured = job.kill_and_restart(after=12, rejoin_timeout=60)
     assert measured["survivor_resumed"] < 30 and measured["rejoined"] < 60
     assert measured["alone"]
     states = _final(job, "algorithm")
