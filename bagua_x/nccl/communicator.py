@@ -133,8 +133,8 @@ class NcclCommunicator:
         stream: the stream collectives run on (see the module docstring); default 0.
         unique_id: the 128-byte NCCL unique id, when the caller exchanged it itself.
         name: communicators of different names use different store keys.
-        key: the store key of the unique id; default ``bagua_x/nccl/<name>/<n>`` for this process's
-            n-th communicator of that name (ranks must create them in the same order).
+        key: the store key of the unique id; default ``bagua_x/nccl/<restart>/<name>/<n>`` for this rank's
+            n-th communicator of that name in the job, counted in the store (ranks create them in the same order).
         timeout: seconds a rank waits for rank 0's unique id.
     """
 
@@ -168,7 +168,7 @@ class NcclCommunicator:
         if unique_id is not None:
             uid = bytes(unique_id)
         elif store is not None:
-            uid = exchange_unique_id(store, rank, key or next_unique_id_key(name), create, timeout=timeout)
+            uid = exchange_unique_id(store, rank, key or next_unique_id_key(store, rank, name), create, timeout=timeout)
         elif size == 1:
             uid = create()
         else:

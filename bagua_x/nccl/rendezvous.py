@@ -1,15 +1,17 @@
 """The NCCL unique-id exchange through the job's existing key-value store.
 
 Rank 0 creates the unique id and publishes it under a key; the other ranks
-wait for it (:func:`exchange_unique_id`).  Any object with ``set(key, bytes)``
-and ``get(key) -> bytes`` works: ``torch.distributed.TCPStore`` as it is, JAX's
+wait for it (:func:`exchange_unique_id`); the key counts each rank's
+communicators in the store itself (:func:`next_unique_id_key`), not in this
+module.  Any object with ``set(key, bytes)``, ``get(key) -> bytes`` and
+``add(key, amount)`` works: ``torch.distributed.TCPStore`` as it is, JAX's
 distributed client through :func:`jax_kv_store`.  Neither torch nor JAX is
 imported here; the stores are duck-typed.
 """
 
 from __future__ import annotations
 
-import itertools
+import os
 import time
 from typing import Callable, Optional
 
@@ -66,7 +68,8 @@ class JaxKeyValueStore:
 
     Duck-typed: uses the client's ``key_value_set_bytes`` / ``key_value_try_get_bytes``
     (or ``blocking_key_value_get_bytes`` with a short timeout on clients without
-    ``try_get``), and the str variants on older clients; JAX itself is not imported.
+    ``try_get``), and the str variants on older clients; ``add`` is the client's
+    ``key_value_increment``.  JAX itself is not imported.
     """
 
     def __init__(self, client, poll_ms: int = 100):
@@ -81,6 +84,10 @@ class JaxKeyValueStore:
             c.key_value_set_bytes(key, bytes(value))
         else:
             c.key_value_set(key, bytes(value).hex())
+
+    def add(self, key: str, amount: int) -> int:
+        """Adds ``amount`` to the integer under ``key`` (0 when absent) and returns the sum."""
+        return int(self.client.key_value_increment(key, amount))
 
     def get(self, key: str) -> bytes:
         c = self.client
@@ -101,14 +108,21 @@ def jax_kv_store(client) -> JaxKeyValueStore:
     return JaxKeyValueStore(client)
 
 
-_generations: dict = {}
+def next_unique_id_key(store, rank: int, name: str) -> str:
+    """``bagua_x/nccl/<restart>/<name>/<n>``: the key of this rank's n-th communicator of that name in this job.
 
-
-def next_unique_id_key(name: str) -> str:
-    """``bagua_x/nccl/<name>/<n>``: the n-th communicator of that name made by this process.
-
-    Every rank creates its communicators in the same order, so the n-th ones meet
-    under the same key and never read a previous communicator's id.
+    The count lives in the store, under this rank's own key (``store.add``), so
+    it belongs to the job, not to the process: every rank that created the same
+    communicators before meets under the same key, and a torchrun restart
+    (``TORCHELASTIC_RESTART_COUNT``) counts afresh without reading the id that
+    the previous round's rank 0 left in torchrun's store.
     """
-    counter = _generations.setdefault(name, itertools.count())
-    return f"bagua_x/nccl/{name}/{next(counter)}"
+    add = getattr(store, "add", None)
+    if not callable(add):
+        raise BaguaXError(
+            f"the rendezvous store {type(store).__name__} has no add(key, amount) to count NcclCommunicator "
+            f"{name!r}'s generations; pass key=... (the same on every rank), or a torch.distributed.TCPStore "
+            "or jax_kv_store(client)"
+        )
+    prefix = f"bagua_x/nccl/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+    return f"{prefix}/{int(add(f'{prefix}/count/{rank}', 1)) - 1}"

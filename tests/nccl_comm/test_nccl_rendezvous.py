@@ -78,6 +78,27 @@ def test_unique_id_exchange_times_out_with_a_clear_error():
         N.exchange_unique_id(store, 1, "bagua_x/nccl/nobody/0", lambda: b"x" * 128, timeout=0.3)
 
 
+def test_unique_id_keys_count_per_rank_in_the_store_not_in_the_process(monkeypatch):
+    """Two jobs (two stores) in one process each count from 0; a torchrun restart counts afresh."""
+    dist = pytest.importorskip("torch.distributed")
+    import datetime
+
+    def store():
+        return dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    job_a, job_b = store(), store()
+    keys_a0 = [N.next_unique_id_key(job_a, 0, "grad") for _ in range(2)]
+    assert keys_a0 == ["bagua_x/nccl/0/grad/0", "bagua_x/nccl/0/grad/1"]
+    assert N.next_unique_id_key(job_a, 1, "grad") == "bagua_x/nccl/0/grad/0"  # rank 1's first meets rank 0's first
+    assert N.next_unique_id_key(job_a, 0, "node") == "bagua_x/nccl/0/node/0"
+    assert N.next_unique_id_key(job_b, 0, "grad") == "bagua_x/nccl/0/grad/0"  # another job shares no count
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert N.next_unique_id_key(job_a, 0, "grad") == "bagua_x/nccl/1/grad/0"
+    with pytest.raises(BaguaXError, match=r"dict has no add\(key, amount\).*'grad'.*key=\.\.\."):
+        N.next_unique_id_key({}, 0, "grad")
+
+
 def test_unique_id_exchange_over_a_duck_typed_jax_client():
     class FakeClient:  # the method names of jax's DistributedRuntimeClient
         def __init__(self):
@@ -107,6 +128,7 @@ _JAX_CLIENT_WORKER = textwrap.dedent(
     from jax._src import distributed
     from bagua_x.core import BaguaXError
     from bagua_x.nccl import exchange_unique_id, jax_kv_store
+    from bagua_x.nccl.rendezvous import next_unique_id_key
 
     s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
@@ -114,6 +136,8 @@ _JAX_CLIENT_WORKER = textwrap.dedent(
     uid = exchange_unique_id(store, 0, "bagua_x/nccl/jax/0", lambda: bytes(range(128)))
     got = exchange_unique_id(store, 1, "bagua_x/nccl/jax/0", lambda: b"", timeout=10)
     assert got == uid == bytes(range(128)), got
+    keys = [next_unique_id_key(store, 0, "grad") for _ in range(2)] + [next_unique_id_key(store, 1, "grad")]
+    assert keys == ["bagua_x/nccl/0/grad/0", "bagua_x/nccl/0/grad/1", "bagua_x/nccl/0/grad/0"], keys
     try:
         exchange_unique_id(store, 1, "bagua_x/nccl/jax/absent", lambda: b"", timeout=0.3)
     except BaguaXError:
@@ -131,7 +155,3 @@ def test_unique_id_exchange_over_jax_distributed_client(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
 
-
-def test_keys_count_communicators_per_name():
-    a0, a1, b0 = N.next_unique_id_key("rdv-a"), N.next_unique_id_key("rdv-a"), N.next_unique_id_key("rdv-b")
-    assert (a0, a1, b0) == ("bagua_x/nccl/rdv-a/0", "bagua_x/nccl/rdv-a/1", "bagua_x/nccl/rdv-b/0")
