@@ -47,7 +47,7 @@ __all__ = ["FormState", "StepForms", "decided_by_trial", "form_topology", "run_i
 
 log = logging.getLogger(__name__)
 
-OVER_NODES = 1  # bit of FormState.hierarchical: the form the state last ran in (0: flat)
+OVER_NODES = 1  # bit of FormState.form_code: the form the state last ran in (0: flat)
 UNDECIDED = 2  # bit: no trial has decided the form yet; dp.step's trial will
 
 
@@ -57,20 +57,20 @@ class FormState:
 
     Static (in the tree's structure): ``over_nodes``, the form the step runs, and ``owner``, the wrap whose
     trial may set it (:attr:`StepForms.owner`: the states of two wraps may go through one ``dp.step``, and
-    each wrap's trial sets its own only).  The leaf ``hierarchical`` is the code (``OVER_NODES`` of the
-    form last run, ``UNDECIDED``), which a checkpoint keeps.
+    each wrap's trial sets its own only).  The leaf ``form_code`` holds bits (``OVER_NODES``: the form
+    last run; ``UNDECIDED``: no trial decided yet), which a checkpoint keeps.
     """
 
-    def __init__(self, hierarchical: Any, state: Any, owner: object, over_nodes: bool = False):
-        self.hierarchical, self.state, self.owner, self.over_nodes = hierarchical, state, owner, bool(over_nodes)
+    def __init__(self, form_code: Any, state: Any, owner: object, over_nodes: bool = False):
+        self.form_code, self.state, self.owner, self.over_nodes = form_code, state, owner, bool(over_nodes)
 
     def __repr__(self) -> str:
-        return (f"FormState(hierarchical={self.hierarchical!r}, state={self.state!r}, owner={id(self.owner):#x}, "
+        return (f"FormState(form_code={self.form_code!r}, state={self.state!r}, owner={id(self.owner):#x}, "
                 f"over_nodes={self.over_nodes})")
 
     def tree_flatten_with_keys(self):
         keys = jax.tree_util.GetAttrKey
-        return ((keys("hierarchical"), self.hierarchical), (keys("state"), self.state)), (self.owner, self.over_nodes)
+        return ((keys("form_code"), self.form_code), (keys("state"), self.state)), (self.owner, self.over_nodes)
 
     @classmethod
     def tree_unflatten(cls, static: tuple, children) -> "FormState":
@@ -123,7 +123,7 @@ def run_in_form(fn: Callable, args: Sequence, layout: BucketLayout, state: Any, 
     if not isinstance(state, FormState):
         return run_scheduled(fn, args, layout, state, comm)
     over_nodes = state.over_nodes and Feature.HIERARCHICAL in comm.features
-    code, inner, args = state.hierarchical, state.state, tuple(args)
+    code, inner, args = state.form_code, state.state, tuple(args)
     if algorithm.state_follows_form:
         if isinstance(inner, Scheduled):  # after the cond the counter may be init's: its branches are traced
             inner = Scheduled(inner.state, inner.algorithm)
@@ -195,7 +195,7 @@ class StepForms:
         """``args, kwargs`` with the form of the step about to run set in this wrap's states."""
         name, tree, self._started, self._stopping = type(self.algorithm).__name__, (args, kwargs), None, False
         states = [m for m in jax.tree.leaves(tree, is_leaf=_is_state) if isinstance(m, FormState)]
-        mine = [m.hierarchical for m in states if m.owner == self.owner]
+        mine = [m.form_code for m in states if m.owner == self.owner]
         if len(mine) < len(states):
             self._note("others", "bagua_x: %s: the arguments of dp.step's function also hold another wrap's bagua_x "
                        "states; they keep their form unless that wrap's dp.step drives them too "
@@ -259,7 +259,7 @@ class StepForms:
         def rewrite(m):
             if not isinstance(m, FormState) or m.owner != self.owner:
                 return m
-            return FormState(put(m.hierarchical), m.state, m.owner, bool(form))
+            return FormState(put(m.form_code), m.state, m.owner, bool(form))
 
         return jax.tree.map(rewrite, tree, is_leaf=_is_state)
 

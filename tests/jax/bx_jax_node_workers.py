@@ -252,7 +252,7 @@ def open_form_worker(name: str, total: int) -> dict:
         with _Records() as messages:
             dp = bxj.wrap(params, algorithm=algorithm)
         state = dp.init_state()[0]
-        form = (state.over_nodes, int(state.hierarchical)) if isinstance(state, FormState) else None
+        form = (state.over_nodes, int(state.form_code)) if isinstance(state, FormState) else None
         return dp, messages, form
 
     bxj.init_distributed()
@@ -283,7 +283,7 @@ def _codes(state) -> list[tuple[int, int]]:
 
     states = [m for m in jax.tree.leaves(state, is_leaf=lambda m: isinstance(m, FormState))
               if isinstance(m, FormState)]
-    return [(int(m.over_nodes), int(_host_local(m.hierarchical)[0])) for m in states]
+    return [(int(m.over_nodes), int(_host_local(m.form_code)[0])) for m in states]
 
 
 def trial_worker(name: str, in_steps: dict, total: int, saves: tuple, directory: str) -> dict:

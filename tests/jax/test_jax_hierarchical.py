@@ -171,7 +171,7 @@ def test_an_open_form_runs_flat_until_a_trial_and_under_shard_map(caplog):
     assert f"bagua_x: ByteGrad runs flat on {N // LOCAL} nodes of {LOCAL} devices until the first 12 steps through " \
         "dp.step have timed both forms; a step not run through dp.step stays flat" in caplog.messages
     state = open_form.init_state()[0]
-    assert isinstance(state, FormState) and not state.over_nodes and int(state.hierarchical) == UNDECIDED
+    assert isinstance(state, FormState) and not state.over_nodes and int(state.form_code) == UNDECIDED
     flat = wrap(params, algorithm=ByteGrad(hierarchical=False), devices_per_node=LOCAL)
     nodes = wrap(params, algorithm=ByteGrad(hierarchical=True), devices_per_node=LOCAL)
     assert not isinstance(flat.init_state()[0], FormState)  # forced: no trial
@@ -194,7 +194,7 @@ UNDECIDED = 2
 
 def _codes(state):
     """Each bucket's form code (device 0's) of a FormState, pmap layout."""
-    return [int(m.hierarchical[0]) for m in state]
+    return [int(m.form_code[0]) for m in state]
 
 
 def test_dp_step_calls_without_bagua_x_state_or_that_raise_are_not_trial_steps(caplog):
