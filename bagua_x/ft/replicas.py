@@ -231,6 +231,8 @@ class Replicas:
             replica_id=settings.replica_id, hostname=settings.address, connect_timeout=timeout,
             checkpoint_transport=ReachableHTTPTransport(timeout=timeout, num_chunks=0))
         self._begun = False
+        #: steps this process began across nodes and then discarded (a member failed them): the work faults cost
+        self.discarded = 0
         # a node at the job's start may train alone until the others come; a restarted one first finds a peer
         self._joined = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0  # torchrun's restarts
 
@@ -332,6 +334,7 @@ class Replicas:
         self._begun = False
         committed = self.manager.should_commit()
         if not committed:
+            self.discarded += 1
             log.warning("bagua_x: fault tolerance: step discarded (%s); the next quorum leaves out the dead",
                         self.manager.errored() or "a member could not complete it")
         return committed

@@ -6,7 +6,7 @@ mesh (``dp.value_and_grad`` averages the gradients over the node), an optax SGD
 with momentum per device, then ``dp.sync_replicas`` on the host.  Node k reads
 its own data stream; the position is kept for healing.  Every inner step appends
 one JSON line to LOG: the inner position, torchft's committed outer steps, whether
-this step committed one, the nodes taking part, the time.  At the end it saves
+this step committed one, the nodes taking part, the outer steps discarded so far, the time.  At the end it saves
 row 0 of the params and the algorithm state (``LOG.npz``).
 
     python bx_ft_jax_node.py ALGORITHM SYNC_EVERY TARGET LOG [DELAY]
@@ -115,6 +115,7 @@ def main(name: str, sync_every: int, target: int, log_path: str, delay: float = 
             position["inner"] += 1
             log.write(json.dumps({"inner": position["inner"], "step": manager.current_step(),
                                   "committed": manager.current_step() > before, "nodes": manager.num_participants(),
+                                  "discarded": dp.replicas.discarded,
                                   "time": time.time(), "loss": float(loss.mean())}) + "\n")
             log.flush()
             steps_here += 1

@@ -107,6 +107,7 @@ def test_two_jax_nodes_equal_the_diloco_reference(jobs):
     for n in (0, 1):
         outer = [e for e in job.lines(n) if e["committed"]]
         assert [e["inner"] for e in outer] == [4, 8, 12] and all(e["nodes"] == 2 for e in outer), job.lines(n)
+        assert job.lines(n)[-1]["discarded"] == 0
 
 
 @pytest.mark.timeout(120)
