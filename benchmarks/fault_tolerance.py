@@ -128,7 +128,6 @@ def jax_worker(algorithm: str, batches: int, log_dir: str) -> None:
     ``dp.sync_replicas`` between nodes on the host (``bagua_x.jax`` fault tolerance)."""
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_DEVICES}"
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from jax.sharding import NamedSharding, PartitionSpec
