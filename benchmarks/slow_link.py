@@ -1,6 +1,6 @@
 """Compute utilisation over a slow link: how much of the wall time each algorithm leaves to computing.
 
-    sudo bagua-x cluster --nodes 2 --nproc-per-node 2 --inter-node 10mbit -- \\
+    sudo bagua-x cluster --nodes 2 --nproc-per-node 2 --inter-node 10mbit --timeout 3600 -- \\
         python benchmarks/slow_link.py [--frontend torch|jax] [--model digits|transformer] [--steps 320] [--h 32]
         [--json OUT]
 
