@@ -123,8 +123,9 @@ def test_a_killed_node_heals_while_the_other_trains_on(job_factory, algorithm):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("algorithm", ["diloco", "sparseloco"])
 def test_diloco_survives_a_killed_node_and_heals_its_outer_state(job_factory, algorithm):
-    """DiLoCo (H=4) and SparseLoCo: the survivor's outer step after the kill is discarded, rolled back and
-    retried alone; the restarted node heals at its first outer step (the global copy, the outer momentum, the
+    """DiLoCo (H=4) and SparseLoCo: the survivor's next outer step goes on alone (a step that the kill caught in
+    flight is discarded, rolled back and retried; here the quorum usually leaves the dead node out first: the
+    survivor discarded none in this session's runs); the restarted node heals at its first outer step (the global copy, the outer momentum, the
     error feedback, the inner optimizer and the data position) and from there every rank holds the same global
     weights and outer state, bit for bit."""
     job = job_factory(algorithm, target=480)
