@@ -9,7 +9,8 @@ waiting for them (until all are launched; then the caller's stream waits for
 the communication stream), and a backward that raised before its end settled
 before the next forward.  Subclasses say what a tensor's hook does once it is
 final (:meth:`BackwardEngine._on_ready`) and may add work before the wait
-(:meth:`BackwardEngine._before_wait`).
+(:meth:`BackwardEngine._before_wait`); the gradient engine, on the hot path,
+overrides the hook itself.
 """
 
 from __future__ import annotations

@@ -112,16 +112,26 @@ class GradientEngine(BackwardEngine):
         log.info("bagua_x: %s on %d gradient buckets %s", type(self.algorithm).__name__, len(self.buckets),
                  self.buckets)
 
-    def _on_ready(self, i: int) -> None:
-        """A gradient is final: re-swap it now if it was recreated (its one copy overlaps the rest of
-        backward instead of delaying its bucket's communication), then mark it ready.
+    def _hook(self, i: int, param: Optional[torch.Tensor] = None) -> None:
+        """Tensor ``i``'s post-accumulate-grad hook (``param`` given: this firing counted, and the rest
+        only at its last, outside ``no_sync()``), and :meth:`_on_ready` (``param`` None).
 
-        This runs once per parameter per step on the training thread, so the usual cases stay
-        in a few tensor calls: the gradient is its bucket view (kept gradients), or a new dense
-        one of the same shape and dtype (``zero_grad(set_to_none=True)``), copied into the view.
-        While the first backward is recorded, buckets are only counted (every gradient must come):
-        they are communicated after the rebuild.
+        When the gradient is final: re-swap it if it was recreated (its one copy overlaps the rest of
+        backward instead of delaying its bucket's communication), then launch the buckets it
+        completes.  This is every gradient's first frame, and :meth:`CommWorker.submit` its second:
+        the two methods of :class:`BackwardEngine` it stands for are inline here, since it runs once
+        per parameter per step on the training thread.  For the same reason the usual cases stay in
+        a few tensor calls: the gradient is its bucket view (kept gradients), or a new dense one of
+        the same shape and dtype (``zero_grad(set_to_none=True)``), copied into the view.  While the
+        first backward is recorded, buckets are only counted (every gradient must come): they are
+        communicated after the rebuild.
         """
+        if param is not None:
+            if not self.enabled:
+                return
+            self._hooks.arm()
+            if not self._ready.fire(i):
+                return
         t = self._tensors[i]
         grad, view = t.proxy.grad, self._views[i]
         if grad is not view:
@@ -137,10 +147,14 @@ class GradientEngine(BackwardEngine):
         if self._recorder.recording:
             self._recorder.record(t.name)
             self._ready.ready(i)
-        else:  # _mark_ready, inline: this is the hook's path, once per parameter per step
+        else:  # _mark_ready, inline
             for k in self._ready.ready(i):
                 slot = self.slots[k]
                 self._worker.submit(slot.job, self._job(slot, slot.bucket.buffer), slot.bucket)
+
+    def _on_ready(self, i: int) -> None:
+        """Tensor ``i``'s gradient is final (at the end of backward): :meth:`_hook`'s work without its count."""
+        self._hook(i)
 
     def _before_wait(self) -> None:
         """Handle unused parameters; after the first backward, rebuild the buckets and launch them all."""
