@@ -17,7 +17,9 @@ Printed (and written to ``--json``): each job's time and committed steps per
 second, the throughput kept (batches trained per second with faults over without), the
 held-out loss of each (and their ratio), the steps discarded, and the check
 that the committed steps consumed the global batch count exactly once (from
-node 0's log: each committed step starts where the previous one ended).  A
+node 0's log: each committed step starts where the previous one ended; not
+counted for DiLoCo, null: a killed node's inner steps since its last outer
+step are lost by design, and a healed node goes on from its peer's count).  A
 fault-free job with discarded steps is a false failure (a saturated link
 starving the lighthouse's heartbeats).
 
@@ -226,7 +228,7 @@ def _job(args, faults: bool) -> dict:
     seconds = time.time() - started
     lines = [json.loads(x) for x in (log_dir / "node0-rank0.jsonl").read_text().splitlines()]
     committed = [e for e in lines if e["committed"]]
-    consumed_once = True
+    consumed_once = None
     if args.algorithm != "diloco":
         starts = [e["index"] - e["place"] for e in committed]
         consumed_once = all(b == a + e["nodes"] for a, b, e in zip(starts, starts[1:], committed))
