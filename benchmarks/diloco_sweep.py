@@ -9,7 +9,8 @@ momentum as the inner optimizer, batch 16 per rank) once per setting, all
 from the same seed: GradientAllReduce first (the baseline), then
 ``DiLoCo(sync_every=H, fragments=P, bits=b, fragment_sync_delay=tau,
 hierarchical=False)`` for H in ``--h``, P in ``--p`` (P <= H), b in
-``--bits`` and tau in ``--tau`` (tau < H // P).  Flat: every rank is one
+``--bits`` and tau in ``--tau`` (tau < H // P), and with ``--sparse``
+``SparseLoCo(sync_every=H)`` for each H.  Flat: every rank is one
 worker (``--nodes-as-workers``: a node is one worker, ``hierarchical=None``).
 
 Columns: the final train loss (mean over ranks of the last 10 steps) and the
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import bagua_x.torch as bxt
-from bagua_x.algorithms import DiLoCo, GradientAllReduce
+from bagua_x.algorithms import DiLoCo, GradientAllReduce, SparseLoCo
 from bagua_x.apps.data import load_digits_split, rank_batches
 from bagua_x.apps.demo_report import final_loss
 from bagua_x.apps.demo_torch import mlp
@@ -102,6 +103,9 @@ def settings(args):
                     name = f"DiLoCo H={h} P={p} bits={bits}" + (f" tau={tau}" if tau else "")
                     yield name, DiLoCo(sync_every=h, fragments=p, bits=bits, fragment_sync_delay=tau,
                                        hierarchical=form)
+    if args.sparse:  # the sparse form at its defaults (2 %, 2 bits, outer lr 1, no outer momentum), per H
+        for h in args.h:
+            yield f"SparseLoCo H={h} P=1 bits=2", SparseLoCo(sync_every=h, hierarchical=form)
 
 
 def table(rows) -> str:
@@ -174,6 +178,7 @@ def main():
     parser.add_argument("--bits", type=int, nargs="+", default=[32, 8, 4])
     parser.add_argument("--tau", type=int, nargs="+", default=[0])
     parser.add_argument("--nodes-as-workers", action="store_true")
+    parser.add_argument("--sparse", action="store_true", help="add SparseLoCo(sync_every=H) for each H")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.05)
