@@ -113,8 +113,8 @@ class GradientEngine(BackwardEngine):
                  self.buckets)
 
     def _hook(self, i: int, param: Optional[torch.Tensor] = None) -> None:
-        """Tensor ``i``'s post-accumulate-grad hook (``param`` given: this firing counted, and the rest
-        only at its last, outside ``no_sync()``), and :meth:`_on_ready` (``param`` None).
+        """Tensor ``i``'s post-accumulate-grad hook (``param`` given: it counts this firing and goes on
+        only at the last one, outside ``no_sync()``), and :meth:`_on_ready`'s body (``param`` None).
 
         When the gradient is final: re-swap it if it was recreated (its one copy overlaps the rest of
         backward instead of delaying its bucket's communication), then launch the buckets it
