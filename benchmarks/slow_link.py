@@ -20,11 +20,14 @@ decoder (``torch_zoo`` / ``jax_zoo``, the same tensors) with AdamW on random
 tokens (no accuracy); the settings that communicate every step run
 ``--per-step-steps`` steps (one step of them at 10 Mbit/s moves tens of MB).  JAX: one process per rank (one CPU device each,
 ``bagua_x.jax.init_distributed``), a pmapped step, ``dp.reduce_gradients``
-(gradients; for DiLoCo the in-node mean) and ``dp.sync_params``.  Rank 0
-prints one table (``--json`` keeps it).
+(gradients; for DiLoCo the in-node mean) and ``dp.sync_params``; DiLoCo and
+SparseLoCo through ``dp.step``, one program per branch, each compiled in two
+untimed exchange periods before the clock starts.  Rank 0 prints one table
+(``--json`` keeps it).
 """
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -139,13 +142,24 @@ def jax_run(name, algorithm, steps, args, data) -> dict:
         return p, o, state
 
     pstep = jax.pmap(step, axis_name="batch")
+    # DiLoCo's family through dp.step: one program per branch, none holding a switch (a plain pmap's
+    # lax.switch made every inner step of the transformer 2x slower).  The others as they are: flat, since
+    # through dp.step a form trial would take their first 12 steps (minutes at 10 Mbit/s).
+    scheduled = dp is not None and hasattr(algorithm, "branch_key")
+    train = dp.step(pstep) if scheduled else pstep
     placed = jax.tree.map(lambda a: a[None], params) if dp is None else dp.replicate(params)  # one local device
-    carry = (placed, jax.pmap(tx.init)(placed), () if dp is None else dp.init())
-    carry = jax.block_until_ready(pstep(*carry, batches[0][0][None], batches[0][1][None]))  # compiles: untimed
+    initial = (placed, jax.pmap(tx.init)(placed), () if dp is None else dp.init())
+    if scheduled:  # two exchange periods from the start, thrown away: every program compiled before the clock
+        carry, compiling = initial, time.perf_counter()  # (the first period lands nothing launched before it)
+        for xb, yb in itertools.islice(itertools.cycle(batches), 2 * algorithm.sync_every):
+            carry = jax.block_until_ready(train(*carry, xb[None], yb[None]))
+        if rank == 0:
+            print(f"  {name}: programs compiled in {time.perf_counter() - compiling:.1f} s", flush=True)
+    carry = jax.block_until_ready(train(*initial, batches[0][0][None], batches[0][1][None]))  # compiles: untimed
     multihost_utils.sync_global_devices("start")
     start = time.perf_counter()
     for xb, yb in batches[1:]:
-        carry = jax.block_until_ready(pstep(*carry, xb[None], yb[None]))
+        carry = jax.block_until_ready(train(*carry, xb[None], yb[None]))
     multihost_utils.sync_global_devices("end")
     wall = time.perf_counter() - start
     mine = np.asarray([0.0, 0.0, wall])

@@ -142,8 +142,9 @@ class Algorithm:
         what ``exchange`` reads.  So a frontend may run ``exchange`` on a
         snapshot of the buffer on its communication thread, go on training,
         and wait for it only before the next ``apply`` (Streaming DiLoCo's
-        overlap); a frontend that does not (JAX, where XLA schedules the step)
-        calls ``reduce``, the two in order.
+        overlap, torch).  A frontend that does not (JAX, where XLA schedules
+        the step) calls ``reduce``, which gives the same values (DiLoCo's sends
+        the previous step's launch from the state, where XLA may overlap it).
         """
         return 0
 

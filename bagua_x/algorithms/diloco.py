@@ -12,11 +12,15 @@ splits each bucket into P contiguous element ranges, fragment i synced at
 steps ``o_i + kH`` with ``o_i = floor(H (i + 1) / P)`` (torchft's schedule),
 so one exchange moves 1/P of the model.  With ``fragment_sync_delay`` = tau
 the pseudo-gradient is taken at the launch step and its average lands tau
-steps later (``exchange_lag``: ``reduce`` is ``apply``, the landing, then
-``exchange``, the launch, so a frontend may leave the exchange in flight
-while the next step trains, as torch does; the result is the same): on landing, the global copy takes the outer step and
+steps later: on landing, the global copy takes the outer step and
 ``local = global + alpha (local - global)`` (``fragment_update_alpha``; 0 takes
 the global weights, dropping the local steps made in between, as torchft).
+The exchange overlaps training in both frontends, with the same result:
+torch calls ``apply`` (the landing) and leaves ``exchange`` (the launch) in
+flight on its communication thread while the next step trains
+(``exchange_lag``); JAX calls ``reduce``, which sends the fragment staged at
+the previous step from the state alone, so that XLA may run those
+collectives beside the step's compute.
 
 ``bits`` 8 or 4 sends the pseudo-gradient quantised, as ByteGrad does
 (MinMaxUInt8 chunks, alltoall, reduce and re-quantise, allgather); 4 bits
@@ -55,7 +59,7 @@ class DiLoCoState(NamedTuple):
     step: Any  # inner (optimizer) steps so far (counter)
     global_weights: Any  # the weights every worker agreed on at each fragment's last landing
     momentum: Any  # the outer optimizer's momentum buffer
-    pending: Any  # averaged pseudo-gradients in flight (fragment_sync_delay > 0), else empty
+    pending: Any  # pseudo-gradients in flight (fragment_sync_delay > 0): staged, then averaged once sent; else empty
     error: Any  # the error-feedback buffer of ``compression`` (what was not sent yet), else empty
 
 
@@ -163,13 +167,16 @@ class DiLoCo(Algorithm):
         return per_sync / self.sync_every
 
     def communicates(self, state) -> bool:
-        """Only at the steps a fragment is sent (``fragment_sync_delay`` 0: sent and landed)."""
-        return int(self._due(state.step + 1, 0)) != self.fragments
+        """Only at the steps whose ``reduce`` sends a fragment: the one launching (``fragment_sync_delay`` 0:
+        sent and landed), or with a delay the one launched at the step before (see :meth:`reduce`)."""
+        return int(self._due(state.step + 1, 1 if self.fragment_sync_delay else 0)) != self.fragments
 
     def branch_key(self, step):
-        """The fragment that lands and the one that launches at this step (P: none)."""
+        """The fragments this step's ``reduce`` acts on (P: none): the one launching; with a delay also the one
+        sent (launched the step before) and the one landing."""
         step = np.asarray(step + 1, np.int32)
-        return int(self._due(step, self.fragment_sync_delay)), int(self._due(step, 0))
+        delays = (1, self.fragment_sync_delay, 0) if self.fragment_sync_delay else (0,)
+        return tuple(int(self._due(step, delay)) for delay in delays)
 
     @property
     def exchange_lag(self) -> int:
@@ -177,10 +184,15 @@ class DiLoCo(Algorithm):
         return self.fragment_sync_delay
 
     def reduce(self, flat, layout, state, comm):
-        if self.fragment_sync_delay:  # the due fragment from the counter as passed in (comm.counter knows it)
-            due = self._due(comm.counter(state.step) + 1, 0)
+        """With a delay (a frontend that does not overlap it on a thread of its own, JAX): the fragment launched
+        at the previous step is sent first, from the state alone, so XLA may run its collectives beside the
+        step's compute; then the landing (:meth:`apply`); then the fragment launching is staged for the next
+        step.  The same values as :meth:`apply` then :meth:`exchange`: only when the collectives run moves."""
+        if self.fragment_sync_delay:  # the fragments from the counter as passed in (comm.counter knows it)
+            step = comm.counter(state.step) + 1
+            state = self._send_staged(state, comm, self._due(step, 1))
             flat, state = self.apply(flat, layout, state, comm)
-            return flat, self._launch_due(flat, state, comm, due)
+            return flat, self._stage(flat, state, comm, self._due(step, 0))
         branches = [self._sync_now(a, b, comm, hierarchical(self.hierarchical, comm))
                     for a, b in self.fragment_bounds(flat.shape[0])]
         flat, *rest = comm.switch(self._due(comm.counter(state.step) + 1, 0), branches + [_unchanged],
@@ -198,13 +210,22 @@ class DiLoCo(Algorithm):
     def exchange(self, flat, layout, state, comm):
         """tau > 0, after :meth:`apply` (``state.step`` is this step): the fragment due launches, its averaged
         pseudo-gradient kept in ``pending`` until it lands (and, compressed, what it did not send in ``error``)."""
-        return self._launch_due(flat, state, comm, self._due(comm.counter(state.step), 0))
+        due = self._due(comm.counter(state.step), 0)
+        return self._send_staged(self._stage(flat, state, comm, due), comm, due)
 
-    def _launch_due(self, flat, state, comm, due):
-        """:meth:`exchange` of fragment ``due`` (P: none)."""
+    def _stage(self, flat, state, comm, due):
+        """Fragment ``due`` (P: none) launches: its pseudo-gradient ``global - local`` into ``pending``, to be
+        sent by :meth:`_send_staged` (no collective)."""
+        branches = [self._staged(a, b) for a, b in self.fragment_bounds(flat.shape[0])]
+        _, _, _, pending, _ = comm.switch(due, branches + [_unchanged], (flat, *state[1:]))
+        return state._replace(pending=pending)
+
+    def _send_staged(self, state, comm, due):
+        """Fragment ``due`` (P: none), staged: its pseudo-gradient in ``pending`` becomes the workers' mean, and
+        the error-feedback buffer what it did not send.  Reads the state alone, never the weights."""
         two_level = hierarchical(self.hierarchical, comm)
-        branches = [self._launch(a, b, comm, two_level) for a, b in self.fragment_bounds(flat.shape[0])]
-        _, _, _, pending, error = comm.switch(due, branches + [_unchanged], (flat, *state[1:]))
+        branches = [self._sent(a, b, comm, two_level) for a, b in self.fragment_bounds(state.pending.shape[0])]
+        pending, error = comm.switch(due, branches + [_unchanged], (state.pending, state.error))
         return state._replace(pending=pending, error=error)
 
     def _due(self, step, delay: int):
@@ -263,11 +284,17 @@ class DiLoCo(Algorithm):
                     _put(momentum, a, b, new_momentum), pending, _put_part(error, a, b, sent_error))
         return branch
 
-    def _launch(self, a: int, b: int, comm, two_level: bool):
+    def _staged(self, a: int, b: int):
         def branch(operand):
             flat, global_weights, momentum, pending, error = operand
-            g, sent_error = self._average(global_weights[a:b] - flat[a:b], _part(error, a, b), comm, two_level)
-            return flat, global_weights, momentum, _put(pending, a, b, g), _put_part(error, a, b, sent_error)
+            return flat, global_weights, momentum, _put(pending, a, b, global_weights[a:b] - flat[a:b]), error
+        return branch
+
+    def _sent(self, a: int, b: int, comm, two_level: bool):
+        def branch(operand):
+            pending, error = operand
+            g, sent_error = self._average(pending[a:b], _part(error, a, b), comm, two_level)
+            return _put(pending, a, b, g), _put_part(error, a, b, sent_error)
         return branch
 
     def _land(self, a: int, b: int):

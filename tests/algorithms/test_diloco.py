@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from bagua_x.algorithms import DiLoCo
+from bagua_x.algorithms import DiLoCo, TopK
 from bagua_x.algorithms.compression import codec
 from bagua_x.core import BaguaXError
 from bagua_x.testing import flat_layout, reference, run
@@ -226,4 +226,38 @@ def test_communicates_exactly_at_the_steps_that_exchange(kw):
     seen = run(2, job)[0][0]
     assert len(seen) == 3 * alg.sync_every
     assert all(predicted == exchanged for predicted, exchanged in seen), seen
-    assert sum(exchanged for _, exchanged in seen) == 3 * alg.fragments  # each fragment once per H steps
+    # each fragment once per H steps; with a delay a fragment is sent at the step after its launch, so the one
+    # launched at the last step (the last fragment's offset is H) is sent after this window
+    assert sum(exchanged for _, exchanged in seen) == 3 * alg.fragments - (1 if alg.fragment_sync_delay else 0)
+
+
+@pytest.mark.parametrize("kw", [dict(sync_every=6, fragments=3, fragment_sync_delay=1),
+                                dict(sync_every=8, fragments=2, fragment_sync_delay=2, bits=8),
+                                dict(sync_every=4, fragments=2, fragment_sync_delay=1, compression=TopK(0.1, 2, 16))],
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_with_a_delay_reduce_sends_the_previous_launch_reading_the_state_alone(kw):
+    """What lets XLA overlap a JAX step's exchange with its compute: with a delay, ``reduce`` makes no collective
+    at a launch step, and at the step after it sends that fragment from the state alone.  So ``pending`` and
+    ``error`` come out the same whatever weights that step is given; a send that read them would differ."""
+    alg = DiLoCo(**kw)
+    launch = alg.offsets()[0]  # 1-based step of the first launch
+
+    def job(c):
+        x = np.linspace(-1, 1, NUMEL).astype(np.float32) * (c.rank + 1)
+        state = alg.init(x, flat_layout(x), c.size)
+        collective = []
+        for t in range(launch):
+            before = len(c.ops())
+            x, state = alg.reduce(inner_step(x, c.rank, t), flat_layout(x), state, c)
+            collective.append(len(c.ops()) > before)
+        before = len(c.ops())
+        _, one = alg.reduce(inner_step(x, c.rank, launch), flat_layout(x), state, c)
+        _, other = alg.reduce(x * np.float32(-3.0), flat_layout(x), state, c)
+        return collective, len(c.ops()) > before, one, other
+
+    results, _ = run(2, job)
+    assert len(results) == 2
+    for collective, sent, one, other in results:
+        assert collective == [False] * launch and sent
+        assert np.array_equal(one.pending, other.pending) and np.array_equal(one.error, other.error)
+        assert np.any(one.pending != 0)  # the fragment's average arrived
