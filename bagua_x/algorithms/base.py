@@ -143,8 +143,9 @@ class Algorithm:
         snapshot of the buffer on its communication thread, go on training,
         and wait for it only before the next ``apply`` (Streaming DiLoCo's
         overlap, torch).  A frontend that does not (JAX, where XLA schedules
-        the step) calls ``reduce``, which gives the same values (DiLoCo's sends
-        the previous step's launch from the state, where XLA may overlap it).
+        the step) calls ``reduce``, which gives the same values (DiLoCo's
+        ``reduce`` sends the previous step's launch from the state alone, so
+        XLA may overlap it with the step).
         """
         return 0
 
