@@ -9,7 +9,9 @@ momentum as the inner optimizer, batch 16 per rank) once per setting, all
 from the same seed: GradientAllReduce first (the baseline), then
 ``DiLoCo(sync_every=H, fragments=P, bits=b, fragment_sync_delay=tau,
 hierarchical=False)`` for H in ``--h``, P in ``--p`` (P <= H), b in
-``--bits`` and tau in ``--tau`` (tau < H // P), and with ``--sparse``
+``--bits`` and tau in ``--tau`` (tau < H // P), each with every outer lr
+and momentum pair in ``--outer`` (``0.7/0.9``, DiLoCo's defaults, unless
+given), and with ``--sparse``
 ``SparseLoCo(sync_every=H)`` for each H.  Flat: every rank is one
 worker (``--nodes-as-workers``: a node is one worker, ``hierarchical=None``).
 
@@ -93,6 +95,14 @@ def train(algorithm, args, data) -> dict:
             "step_ms": 1000 * float(slowest[0]) / args.steps}
 
 
+DEFAULT_OUTER = (0.7, 0.9)  # DiLoCo's outer_lr and outer_momentum by default
+
+
+def _outer(text: str) -> tuple[float, float]:
+    lr, _, momentum = text.partition("/")
+    return float(lr), float(momentum)
+
+
 def settings(args):
     yield "GradientAllReduce", GradientAllReduce()
     form = None if args.nodes_as_workers else False
@@ -100,9 +110,11 @@ def settings(args):
         for p in (p for p in args.p if p <= h):
             for bits in args.bits:
                 for tau in (tau for tau in args.tau if tau < h // p):
-                    name = f"DiLoCo H={h} P={p} bits={bits}" + (f" tau={tau}" if tau else "")
-                    yield name, DiLoCo(sync_every=h, fragments=p, bits=bits, fragment_sync_delay=tau,
-                                       hierarchical=form)
+                    for lr, momentum in args.outer:
+                        name = (f"DiLoCo H={h} P={p} bits={bits}" + (f" tau={tau}" if tau else "")
+                                + ("" if (lr, momentum) == DEFAULT_OUTER else f" outer {lr:g}/{momentum:g}"))
+                        yield name, DiLoCo(sync_every=h, fragments=p, bits=bits, fragment_sync_delay=tau,
+                                           outer_lr=lr, outer_momentum=momentum, hierarchical=form)
     if args.sparse:  # the sparse form at its defaults (2 %, 2 bits, outer lr 1, no outer momentum), per H
         for h in args.h:
             yield f"SparseLoCo H={h} P=1 bits=2", SparseLoCo(sync_every=h, hierarchical=form)
@@ -179,6 +191,8 @@ def main():
     parser.add_argument("--tau", type=int, nargs="+", default=[0])
     parser.add_argument("--nodes-as-workers", action="store_true")
     parser.add_argument("--sparse", action="store_true", help="add SparseLoCo(sync_every=H) for each H")
+    parser.add_argument("--outer", nargs="+", type=_outer, default=[DEFAULT_OUTER], metavar="LR/MOMENTUM",
+                        help="DiLoCo's outer lr and (Nesterov) momentum, each pair a setting (default 0.7/0.9)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.05)
