@@ -85,10 +85,10 @@ class FaultJob:
 
     def kill_and_restart(self, after: int, rejoin_timeout: float, **restart_env: str) -> dict:
         """Start both nodes; once node 1 committed step ``after`` with node 0, SIGKILL node 1; once node 0
-        committed after the kill, start node 1 again (with ``restart_env``) and run the job to its end.
+        committed a step past node 1's last, start node 1 again (with ``restart_env``) and run the job to its end.
 
-        What was measured: ``survivor_resumed`` (s from the kill to node 0's next commit), ``alone`` (that
-        commit had one node), ``steps_at_kill`` (node 0's committed steps then), ``rejoined`` (s from the
+        What was measured: ``survivor_resumed`` (s from the kill to node 0's first commit of a step past node
+        1's last), ``alone`` (that commit had one node), ``steps_at_kill`` (node 0's committed steps then), ``rejoined`` (s from the
         restart to node 1's first commit), ``first_commit_after_restart`` (its log line) and ``before`` (node
         1's log lines before the restart).
         """
@@ -97,9 +97,12 @@ class FaultJob:
         self.wait_for(lambda: any(e["committed"] and e["nodes"] == 2 and e["step"] >= after for e in self.lines(1)),
                       120, "two-node steps before the kill")
         killed_at = self.kill(1)
-        self.wait_for(lambda: any(e["committed"] and e["time"] > killed_at for e in self.lines(0)), 30,
+        # node 0 may commit the step node 1 committed last after the kill's time stamp (both took part in it):
+        # the first step node 0 can have taken without node 1 is the next one
+        last_joint = max(e["step"] for e in self.lines(1) if e["committed"])
+        self.wait_for(lambda: any(e["committed"] and e["step"] > last_joint for e in self.lines(0)), 30,
                       "a commit on node 0 after the kill")
-        survivor = [e for e in self.lines(0) if e["committed"] and e["time"] > killed_at]
+        survivor = [e for e in self.lines(0) if e["committed"] and e["step"] > last_joint]
         steps_at_kill = max(e["step"] for e in self.lines(0) if e["time"] <= killed_at)
         before = len(self.lines(1))
         restarted_at = time.time()
