@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_check.sh                  # results in $OUT/results.json (default ./gpu_check_out)
 #   bash benchmarks/gpu_check.sh --cpu            # the CPU dry run (automatic without CUDA)
 #   bash benchmarks/gpu_check.sh --only 7,11      # some checks; any option of benchmarks/gpu_check.py
+#   bash benchmarks/gpu_check.sh --gpus 8         # the checks of 8 GPUs (20-30), one process per GPU
 #
 # PYTHON picks the interpreter (default: python3).  Installs bagua_x from this checkout without
 # dependencies (and without build isolation, which would download setuptools), then runs

@@ -72,6 +72,81 @@ def test_a_spent_budget_fails_the_checks_left(tmp_path, monkeypatch):
     assert entry["status"] == "fail" and "budget" in entry["problems"][0]
 
 
+MULTI_GPU_ONLY = {20, 25, 26, 27}  # their criteria are timings, placement or host syncs on GPUs
+
+
+@pytest.mark.timeout(600)
+def test_the_multi_gpu_dry_run_judges_what_needs_no_gpu(tmp_path):
+    """``--gpus 4 --cpu``: 4 gloo processes (one process of 4 CPU devices for check 30); the checks of
+    numbers pass and say what they measured, the GPU-only ones say "needs 4 GPUs" without failing the run."""
+    out = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu", "--gpus", "4", str(out)],
+                          capture_output=True, text=True, timeout=560, cwd=ROOT, env={**os.environ, "OUT": ""})
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["machine"]["gpus_asked"] == 4
+    checks = {c["number"]: c for c in report["checks"]}
+    assert sorted(checks) == list(range(20, 31))
+    assert {n for n, c in checks.items() if c["status"] == "needs 4 GPUs"} == MULTI_GPU_ONLY
+    assert all(checks[n]["status"] == "pass" for n in set(checks) - MULTI_GPU_ONLY), \
+        {n: c.get("problems") for n, c in checks.items()}
+    ranks = [f"rank {r}" for r in range(4)]
+    assert sorted(checks[21]["values"]) == ranks
+    for r in ranks:
+        parity = checks[21]["values"][r]
+        assert parity["world_size"] == 4 and parity["head_moved"] > 0 and parity["max_diff"] <= 1e-3 * parity["moved"]
+        algorithms = checks[22]["values"][r]
+        assert len(algorithms) == 10 and algorithms["AsyncModelAverage"]["rounds"] >= 3
+        assert algorithms["ByteGrad"]["quantisation_step"] > 0 and algorithms["GradientAllReduce"]["max_error"] <= 1e-5
+        assert checks[23]["values"][r]["ByteGrad"]["equal_in_node"]
+    assert [checks[23]["values"][r]["within"] for r in ranks] == [[0, 2], [1, 2], [0, 2], [1, 2]]
+    killed = [checks[28]["values"][r] for r in ranks[:3]]  # rank 3 is the one killed: no result
+    assert sorted(checks[28]["values"]) == ranks[:3]
+    assert all(k["raised"] == "BaguaXError" and k["seconds"] <= 12 for k in killed), killed
+    processes, devices = checks[29]["values"]["rank 0"], checks[30]["values"]
+    assert (processes["processes"], processes["local_devices"]) == (4, 1)
+    assert (devices["processes"], devices["local_devices"]) == (1, 4)
+    for jax_run in (processes, devices):
+        assert len([k for k, v in jax_run.items() if isinstance(v, dict)]) == 9
+
+
+def summing_communicator(mode):
+    """Checks 21 and 22 with a communicator that sums where a mean was asked (a plausible bug)."""
+    import gpu_check_multi
+    from bagua_x.core import ReduceOp
+    from bagua_x.torch import TorchCommunicator
+
+    allreduce = TorchCommunicator.allreduce
+    TorchCommunicator.allreduce = lambda self, x, op=ReduceOp.SUM: allreduce(self, x, ReduceOp.SUM)
+    parity, algorithms = gpu_check_multi.ddp_parity(mode), gpu_check_multi.every_algorithm(mode)
+    return {"values": {}, "problems": parity["problems"] + algorithms["problems"], "judged": True}
+
+
+@pytest.mark.timeout(300)
+def test_the_multi_gpu_checks_fail_on_a_summing_communicator(tmp_path, monkeypatch):
+    driver = _driver(monkeypatch)
+    broken = driver.MultiCheck(99, "sums", "", "test_gpu_check:summing_communicator", 200, "gloo")
+    monkeypatch.setattr(driver, "MULTI_CHECKS", [broken])
+    out = tmp_path / "results.json"
+    assert driver.main(["--cpu", "--gpus", "2", str(out)]) == 1
+    (entry,) = json.loads(out.read_text())["checks"]
+    problems = " ".join(entry["problems"])
+    assert entry["status"] == "fail" and "wrap and DDP differ" in problems, entry
+    for name in ("GradientAllReduce:", "ModelAverage:", "DiLoCo:"):
+        assert name in problems, (name, problems)
+
+
+def test_asked_for_more_gpus_than_there_are_the_rest_fail(monkeypatch):
+    """On a machine with 1 GPU, ``--gpus 8`` runs what one GPU simulates, and the rest fail as "needs 8 GPUs"."""
+    driver = _driver(monkeypatch)
+    modes = {c.number: driver.multi_mode(c, "cuda", 8, 1) for c in driver.MULTI_CHECKS}
+    assert {n for n, m in modes.items() if m is None} == {20, 26, 27, 29, 30}  # 25: a pause on the side stream
+    assert {m for m in modes.values() if m} == {"one gpu"}
+    assert {driver.multi_mode(c, "cuda", 8, 8) for c in driver.MULTI_CHECKS} == {"gpus"}
+    entry = driver.run_multi_check(driver.MULTI_CHECKS[0], 8, None, 60, {})
+    assert entry["status"] == "needs 8 GPUs"
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_on_the_gpu_no_host_sync_and_state_across_streams(tmp_path):
