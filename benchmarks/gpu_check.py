@@ -87,7 +87,8 @@ CHECKS = [
     Check(6, "step time against DDP (CUDA events)", "GradientAllReduce step time <= 1.05 x DDP's, world size 1",
           f"{T}:step_time", 60, "the timing with perf_counter on CPU (not judged)"),
     Check(7, "compression kernels at ByteGrad's shapes",
-          ">= 40 % of HBM bandwidth (9 bytes per element), >= 5x eager, first compile <= 60 s; "
+          "11 bytes per element at >= 75 % of a copy's bandwidth measured in the same run, >= 5x eager, "
+          "first compile <= 60 s; "
           "within one quantisation step of the numpy reference",
           "gpu_check_other:compression_kernels", 120, "eager numerics against the numpy reference at small shapes"),
     Check(8, "peak memory", "peak allocated <= DDP's (gradient_as_bucket_view=True) + 5 %",

@@ -19,6 +19,8 @@ import numpy as np
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 H200_BYTES_PER_S = 4.8e12
+TARGET_BYTES = 11  # per element, ByteGrad's round trip at the roofline (issue 35): x read once
+DESIGN_BYTES = 14  # what today's kernels move: x read twice, written once, the byte written and read
 STEP_SLACK = 1.001  # "within one quantisation step", with room for float rounding in the ratio itself
 
 
@@ -89,8 +91,12 @@ def gate(device):
 def compression_kernels(device):
     """ByteGrad's round trip (compress_rows, then decompress_rows into the bucket) at its real shapes.
 
-    Bandwidth model, 9 bytes per element: the float32 read (4) and written back (4) and the byte written (1);
-    the byte read back mostly comes from L2 at these sizes.  Times are the device's (the calls queued ahead
+    The roofline is a copy measured in the same run (``out.copy_(x)``: 8 bytes per element), not a data
+    sheet's figure.  Target: the round trip in the time a kernel at 75 % of that copy bandwidth needs for 11
+    bytes per element (the float32 read once (4) and written back (4), the byte written and read back (2), the
+    headers and some slack (1)).  Today's kernels read x twice (min/max, then quantise): 14 bytes of traffic
+    by design, so they cannot meet it where the second read misses L2; the JSON keeps the design's 14 and the
+    bytes per element the measured time allows at copy speed.  Times are the device's (the calls queued ahead
     of the GPU, so kernels run back to back); the host's time per call is reported beside them.  "Eager" is
     the same code with the compiler unregistered; the first call of each shape, in a compile cache of its
     own, is the compile time.  The bytes and values must equal compression.py run on numpy, bit for bit.
@@ -117,7 +123,8 @@ def compression_kernels(device):
         torch.cuda.set_device(0)
     shapes = [(1, 6_553_600), (8, 819_200), (8, 8_388_608)] if cuda else [(1, 65_536), (8, 8_192)]
     peak = (peak_bandwidth(torch.cuda.get_device_name(0)) or H200_BYTES_PER_S) if cuda else None
-    values, problems = {"peak_bytes_per_s": peak}, []
+    values, problems = {"peak_bytes_per_s": peak, "target_bytes_per_element": TARGET_BYTES,
+                        "design_bytes_per_element": DESIGN_BYTES}, []
     for rows, cols in shapes:
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows + cols)).to(dev)
         out = torch.empty_like(x)
@@ -152,13 +159,20 @@ def compression_kernels(device):
             eager, eager_host = device_seconds_per_call(roundtrip, dev, 5)
         finally:
             torch_kernels.install()
-        fraction = 9 * rows * cols / compiled / peak
+        copy, _ = device_seconds_per_call(lambda: out.copy_(x), dev, 20)
+        n = rows * cols
+        copy_bandwidth = 8 * n / copy
+        of_copy = TARGET_BYTES * n / compiled / copy_bandwidth  # >= 0.75: within the target's time
         entry.update(compiled_ms=1e3 * compiled, eager_ms=1e3 * eager, speedup=eager / compiled,
-                     fraction_of_peak=fraction, host_ms_per_call=1e3 * host, eager_host_ms_per_call=1e3 * eager_host)
+                     copy_ms=1e3 * copy, copy_bytes_per_s=copy_bandwidth, target_of_copy_bandwidth=of_copy,
+                     bytes_per_element_at_copy_speed=copy_bandwidth * compiled / n,
+                     fraction_of_peak_9_bytes=9 * n / compiled / peak,
+                     host_ms_per_call=1e3 * host, eager_host_ms_per_call=1e3 * eager_host)
         if entry["fallback_warnings"]:
             problems.append(f"{rows}x{cols}: kernels fell back to eager: {entry['fallback_warnings'][0]}")
-        if fraction < 0.4:
-            problems.append(f"{rows}x{cols}: {fraction:.1%} of HBM bandwidth (< 40 %)")
+        if of_copy < 0.75:
+            problems.append(f"{rows}x{cols}: {TARGET_BYTES} bytes per element at {of_copy:.1%} of the copy "
+                            f"bandwidth measured here ({copy_bandwidth / 1e12:.2f} TB/s; < 75 %)")
         if eager / compiled < 5:
             problems.append(f"{rows}x{cols}: {eager / compiled:.1f}x eager (< 5x)")
         if entry["first_call_s"] > 60:
