@@ -78,6 +78,20 @@ def _record(log, replicas, committed: bool, index: int, place, loss: float) -> N
     log.flush()
 
 
+def _start_gate(log_dir: str, node: int, nodes: int = 2, timeout: float = 300.0) -> None:
+    """Wait until every node's manager exists (heartbeating to the lighthouse) before the first step.
+
+    Without it the node that imports faster forms a quorum alone and trains a few steps solo (2, 3 and 8
+    in three runs), so two jobs of the same seeds started from different points and their held-out losses
+    differed by more than the faults did.  A node restarted after a fault finds every file and goes on."""
+    Path(log_dir, f"ready-node{node}").touch()
+    deadline = time.time() + timeout
+    while not all(Path(log_dir, f"ready-node{n}").exists() for n in range(nodes)):
+        if time.time() > deadline:
+            raise RuntimeError(f"node {node}: not every node was up within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
 def torch_worker(algorithm: str, batches: int, log_dir: str) -> None:
     import torch
 
@@ -98,6 +112,7 @@ def torch_worker(algorithm: str, batches: int, log_dir: str) -> None:
     per_step = not isinstance(algo, alg.DiLoCo)
     position = {"batch": 0}  # DiLoCo: this node's own count of batches trained (healed with the rest)
     replicas.keep("data", lambda: dict(position), position.update)
+    _start_gate(log_dir, node)
     path = Path(log_dir) / f"node{node}-rank{rank}.jsonl"
     with open(path, "a") as log:
         while manager.batches_committed() < batches:
@@ -172,6 +187,7 @@ def jax_worker(algorithm: str, batches: int, log_dir: str) -> None:
     manager = dp.replicas.manager
     position = {"batch": 0}
     dp.replicas.keep("data", lambda: dict(position), position.update)
+    _start_gate(log_dir, node)
     with open(Path(log_dir) / f"node{node}-rank0.jsonl", "a") as log:
         while manager.batches_committed() < batches:
             index = 1_000_000 * node + position["batch"]
@@ -238,6 +254,7 @@ def _job(args, faults: bool) -> dict:
             "steps_per_second": round(len(committed) / train_seconds, 3),
             "batches_per_second": round(args.batches / train_seconds, 3),
             "held_out_loss": json.loads((log_dir / "held_out.json").read_text())["loss"],
+            "solo_steps_at_start": next((i for i, e in enumerate(committed) if e["nodes"] > 1), len(committed)),
             "batches_consumed_once": consumed_once,
             "fault_log": [json.loads(x) for x in (log_dir / "faults.jsonl").read_text().splitlines()]
             if faults else [], "logs": str(log_dir)}
