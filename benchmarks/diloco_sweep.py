@@ -5,7 +5,8 @@
         [--h 8 --p 4 --bits 32 --tau 0 1]   # Streaming's overlap: tau = 1 against tau = 0
 
 Every rank trains the demo's MLP (64-256-256-10, on the digits, SGD with
-momentum as the inner optimizer, batch 16 per rank) once per setting, all
+momentum 0.9 as the inner optimizer, or ``--inner adamw``: AdamW, weight
+decay 0.01, the DiLoCo paper's; batch 16 per rank) once per setting, all
 from the same seed: GradientAllReduce first (the baseline), then
 ``DiLoCo(sync_every=H, fragments=P, bits=b, fragment_sync_delay=tau,
 hierarchical=False)`` for H in ``--h``, P in ``--p`` (P <= H), b in
@@ -67,7 +68,10 @@ def train(algorithm, args, data) -> dict:
     x_tr, y_tr, x_te, y_te = data
     torch.manual_seed(args.seed)
     model = mlp(args.hidden)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if args.inner == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     wrapped = bxt.wrap(model, opt, algorithm=algorithm)
     losses, clock = [], 0.0
     before = counted()
@@ -195,11 +199,14 @@ def main():
                         help="DiLoCo's outer lr and (Nesterov) momentum, each pair a setting (default 0.7/0.9)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--inner", choices=["sgd", "adamw"], default="sgd", help="the inner optimizer")
+    parser.add_argument("--lr", type=float, default=None, help="the inner lr (default: SGD 0.05, AdamW 1e-3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
     parser.add_argument("--plot", help="a PNG of accuracy against link bytes and step time")
     args = parser.parse_args()
+    if args.lr is None:
+        args.lr = 1e-3 if args.inner == "adamw" else 0.05
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     data = load_digits_split(args.seed)
@@ -208,7 +215,8 @@ def main():
         rows.append({"setting": name, **train(algorithm, args, data)})
     if dist.get_rank() == 0:
         print(f"DiLoCo sweep: {dist.get_world_size()} ranks, link {os.environ.get('BAGUA_X_LINK', 'loopback')}, "
-              f"{args.steps} steps, MLP 64-{args.hidden}-{args.hidden}-10\n" + table(rows), flush=True)
+              f"{args.steps} steps, MLP 64-{args.hidden}-{args.hidden}-10, inner {args.inner} lr {args.lr:g}\n"
+              + table(rows), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
