@@ -180,7 +180,7 @@ def _reduce_steps(algorithm, dev, rank: int, steps: int, chained: bool, layout: 
     on every rank (as after wrap's broadcast); else fresh data per rank and step."""
     comm = bxt.TorchCommunicator()
     rng = np.random.default_rng(1000 + rank)
-    x = torch.from_numpy(np.random.default_rng(7).standard_normal(layout.numel).astype(np.float32)).to(dev)
+    x = torch.from_numpy(_initial(layout.numel)).to(dev)
     state = algorithm.init(x, layout, dist.get_world_size())
     ins, outs = [], []
     for _ in range(steps):
@@ -190,6 +190,11 @@ def _reduce_steps(algorithm, dev, rank: int, steps: int, chained: bool, layout: 
         x, state = algorithm.reduce(x, layout, state, comm)
         outs.append(x.cpu().numpy().copy())
     return _gather(ins), outs
+
+
+def _initial(numel: int) -> np.ndarray:
+    """The weights every rank starts from in :func:`_reduce_steps`."""
+    return np.random.default_rng(7).standard_normal(numel).astype(np.float32)
 
 
 def _quantisation_step(xs) -> float:
@@ -238,14 +243,13 @@ def every_algorithm(mode):
         ins, outs = _reduce_steps(algorithm, dev, rank, steps, chained, layout)
         by_step = [[ins[r][s] for r in range(world)] for s in range(steps)]
         if name == "LowPrecisionDecentralized":
-            states = ref.low_precision_init([np.random.default_rng(7).standard_normal(NUMEL).astype(np.float32)] * world)
+            states = ref.low_precision_init([_initial(NUMEL)] * world)
             want = []
             for s, xs in enumerate(by_step):
                 expected, states = ref.low_precision_decentralized(xs, states, s, 1)
                 want.append(expected)
         elif name in ("DiLoCo", "SparseLoCo"):
-            workers = DiLoCoWorkers.like(algorithm, np.random.default_rng(7).standard_normal(NUMEL).astype(np.float32),
-                                         world)
+            workers = DiLoCoWorkers.like(algorithm, _initial(NUMEL), world)
             want = [workers.after_step(xs) for xs in by_step]
         elif name == "PowerSGD":
             want = ref.powersgd(by_step, POWERSGD_SHAPES, rank=2, start=1)
@@ -376,7 +380,7 @@ def ordering_stress(mode):
             ids = [dev.index] if mode == "gpus" else None
             wrapped = [DDP(first, device_ids=ids), DDP(second, device_ids=ids)]
         else:
-            wrapped = [bxt.wrap(first, algorithm=Jittery(), timeout=60), bxt.wrap(second, algorithm=Jittery(), timeout=60)]
+            wrapped = [bxt.wrap(m, algorithm=Jittery(), timeout=60) for m in (first, second)]
         for x, y in data:
             opt.zero_grad(set_to_none=True)
             a, b = wrapped[0](x), wrapped[1](x)

@@ -147,8 +147,13 @@ def compression_kernels(device):
         if entry["error_in_steps"] > STEP_SLACK:
             problems.append(f"{rows}x{cols}: {entry['error_in_steps']:.2f} quantisation steps from the reference")
         packed = C.compress_rows(x).cpu().numpy()
+        received = C.compress_rows(x)  # the owner step's input: one packed row from each of `rows` ranks
+        owner = C.reduce_requantize(received, True).cpu().numpy()
         entry["bitwise_as_numpy"] = bool(np.array_equal(packed, C.compress_rows(xs)) and
                                          np.array_equal(got, C.decompress_rows(C.compress_rows(xs))))
+        entry["owner_step_bitwise_as_numpy"] = bool(np.array_equal(owner, C.reduce_requantize(packed, True)))
+        if cuda and not entry["owner_step_bitwise_as_numpy"]:  # on the CPU: torch's division, as above
+            problems.append(f"{rows}x{cols}: ByteGrad's owner step is not bit for bit compression.py on numpy")
         if cuda and not entry["bitwise_as_numpy"]:  # torch's CPU division is not always correctly rounded
             problems.append(f"{rows}x{cols}: not bit for bit compression.py on numpy")
         if not cuda:
@@ -159,6 +164,7 @@ def compression_kernels(device):
             eager, eager_host = device_seconds_per_call(roundtrip, dev, 5)
         finally:
             torch_kernels.install()
+        owner_s, owner_host = device_seconds_per_call(lambda: C.reduce_requantize(received, True), dev, 20)
         copy, _ = device_seconds_per_call(lambda: out.copy_(x), dev, 20)
         n = rows * cols
         copy_bandwidth = 8 * n / copy
@@ -167,6 +173,9 @@ def compression_kernels(device):
                      copy_ms=1e3 * copy, copy_bytes_per_s=copy_bandwidth, target_of_copy_bandwidth=of_copy,
                      bytes_per_element_at_copy_speed=copy_bandwidth * compiled / n,
                      fraction_of_peak_9_bytes=9 * n / compiled / peak,
+                     # the owner step reads the rows' bytes, writes and reads the float32 sum, writes one row
+                     owner_step_ms=1e3 * owner_s, owner_step_host_ms=1e3 * owner_host,
+                     owner_step_bytes_per_element_at_copy_speed=copy_bandwidth * owner_s / n,
                      host_ms_per_call=1e3 * host, eager_host_ms_per_call=1e3 * eager_host)
         if entry["fallback_warnings"]:
             problems.append(f"{rows}x{cols}: kernels fell back to eager: {entry['fallback_warnings'][0]}")

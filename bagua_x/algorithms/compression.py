@@ -132,6 +132,7 @@ def decompress_rows(packed, out=None):
     return dequantize(q, minmax) if out is None else dequantize_into(q, minmax, out)
 
 
+@kernel
 def reduce_requantize(packed, average: bool):
     """ByteGrad's owner step on the chunks a rank received (R, k + 8): sum the dequantised
     rows, divide by their count when averaging, compress the result as one row (1, k + 8)."""

@@ -6,7 +6,9 @@ TB/s, and packing (``concat`` of the bytes and the 8-byte headers, rows not
 aligned) at 0.6 TB/s, a quarter of the round trip.  Here a compressed row is
 written in place: one pass finds each row's min and max in parts, and one
 pass finishes them, quantises into the packed buffer and writes each row's
-header bytes; decompressing is one pass that reads the header and the bytes.  The formulas are those of
+header bytes; decompressing is one pass that reads the header and the bytes; ByteGrad's owner step
+(dequantise the received rows, sum them in rank order, quantise the sum into one packed row) is a pass that
+sums and finds the min and max in parts, then the same quantising pass.  The formulas are those of
 :mod:`bagua_x.algorithms.compression`, each operation rounded as there
 (precise division, no fused multiply-add: ``enable_fp_fusion=False``), so
 results equal the other paths bit for bit.
@@ -27,7 +29,7 @@ import triton.language as tl
 
 from ..algorithms.compression import EPS, HEADER_BYTES
 
-__all__ = ["compress_rows", "decompress_rows", "applies"]
+__all__ = ["compress_rows", "decompress_rows", "reduce_requantize", "applies"]
 
 BLOCK = 4096  # elements per program: 16 KB of float32 read per program
 WARPS = 8
@@ -100,20 +102,58 @@ def _quantize_packed(x_ptr, part_ptr, packed_ptr, k, parts, BLOCK: tl.constexpr,
 
 
 @triton.jit
-def _dequantize_packed(packed_ptr, out_ptr, k, BLOCK: tl.constexpr):
-    block, row = tl.program_id(0), tl.program_id(1)  # blocks on x: up to 2**31 - 1
-    start = packed_ptr + row.to(tl.int64) * (k + 8)
+def _header(start, k):
+    """A packed row's min and max, from its 8 header bytes (little-endian float32) after ``k`` codes."""
     j = tl.arange(0, 8)
-    byte = tl.load(start + k + j).to(tl.int32)
-    shifted = byte << (8 * (j % 4))
+    shifted = tl.load(start + k + j).to(tl.int32) << (8 * (j % 4))
     mn = tl.sum(tl.where(j < 4, shifted, 0), axis=0).to(tl.float32, bitcast=True)
     mx = tl.sum(tl.where(j >= 4, shifted, 0), axis=0).to(tl.float32, bitcast=True)
+    return mn, mx
+
+
+@triton.jit
+def _dequantized(start, k, offs, mask):
+    """The values at ``offs`` of the packed row at ``start``."""
+    mn, mx = _header(start, k)
     scale, lower, _ = _row_bounds(mn, mx)
+    q = tl.load(start + offs, mask=mask, other=0).to(tl.float32)
+    return tl.math.div_rn(q + lower, scale)
+
+
+@triton.jit
+def _dequantize_packed(packed_ptr, out_ptr, k, BLOCK: tl.constexpr):
+    block, row = tl.program_id(0), tl.program_id(1)  # blocks on x: up to 2**31 - 1
     offs = block * BLOCK + tl.arange(0, BLOCK)
     mask = offs < k
-    q = tl.load(start + offs, mask=mask, other=0).to(tl.float32)
-    y = tl.math.div_rn(q + lower, scale)
+    y = _dequantized(packed_ptr + row.to(tl.int64) * (k + 8), k, offs, mask)
     tl.store(out_ptr + row.to(tl.int64) * k + offs, y, mask=mask)
+
+
+@triton.jit
+def _sum_parts(packed_ptr, total_ptr, part_ptr, k, rows, parts, steps, AVERAGE: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """ByteGrad's owner step, first pass: program ``part`` takes blocks part, part + parts, ...; for each it
+    dequantises the block of every received row, sums them in rank order from the first row (not from 0:
+    0 + -0.0 would lose a sign), divides by the row count when averaging, writes the block of the sum and keeps its
+    min and max, left as ``_minmax_parts`` leaves them for ``_quantize_packed``."""
+    part = tl.program_id(0)
+    lo = tl.full((BLOCK,), float("inf"), tl.float32)
+    hi = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for step in range(steps):
+        offs = (part + step * parts) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < k
+        start = packed_ptr  # a pointer moved row by row: 64-bit, however many bytes the rows hold
+        total = _dequantized(start, k, offs, mask)
+        for _ in range(1, rows):
+            start += k + 8
+            total += _dequantized(start, k, offs, mask)
+        if AVERAGE:
+            total = tl.math.div_rn(total, tl.full(total.shape, rows, tl.float32))
+        tl.store(total_ptr + offs, total, mask=mask)
+        lo = tl.minimum(lo, tl.where(mask, total, float("inf")))
+        hi = tl.maximum(hi, tl.where(mask, total, float("-inf")))
+    tl.store(part_ptr + part * 2, tl.min(lo, axis=0))
+    tl.store(part_ptr + part * 2 + 1, tl.max(hi, axis=0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,6 +185,24 @@ def compress_rows(x: torch.Tensor) -> torch.Tensor:
                                          PARTS=triton.next_power_of_2(parts), num_warps=WARPS,
                                          enable_fp_fusion=False)
     return packed
+
+
+def reduce_requantize(packed: torch.Tensor, average: bool) -> torch.Tensor:
+    """:func:`bagua_x.algorithms.compression.reduce_requantize` for a contiguous packed CUDA tensor (R, k + 8):
+    two kernels (sum with min/max parts, then quantise into the packed row) instead of a dequantisation,
+    a compiled sum and quantisation, and a packing concat."""
+    rows, k = packed.shape[0], packed.shape[1] - HEADER_BYTES
+    blocks = triton.cdiv(k, BLOCK)
+    parts = min(blocks, _programs(packed.device))
+    total = torch.empty(1, k, dtype=torch.float32, device=packed.device)
+    partial = torch.empty(1, parts, 2, dtype=torch.float32, device=packed.device)
+    out = torch.empty(1, k + HEADER_BYTES, dtype=torch.uint8, device=packed.device)
+    with _on(packed.device):
+        _sum_parts[(parts,)](packed, total, partial, k, rows, parts, triton.cdiv(blocks, parts), AVERAGE=average,
+                             BLOCK=BLOCK, num_warps=WARPS, enable_fp_fusion=False)
+        _quantize_packed[(blocks, 1)](total, partial, out, k, parts, BLOCK=BLOCK,
+                                      PARTS=triton.next_power_of_2(parts), num_warps=WARPS, enable_fp_fusion=False)
+    return out
 
 
 def decompress_rows(packed: torch.Tensor, out=None) -> torch.Tensor:

@@ -56,7 +56,8 @@ def _compiled(fn):
 
 
 # kernels with a hand-written CUDA version in .cuda_compression (which writes the packed rows directly)
-_ON_CUDA = {compression.compress_rows.plain: "compress_rows", compression.decompress_rows.plain: "decompress_rows"}
+_ON_CUDA = {compression.compress_rows.plain: "compress_rows", compression.decompress_rows.plain: "decompress_rows",
+            compression.reduce_requantize.plain: "reduce_requantize"}
 
 
 def _compile(fn):

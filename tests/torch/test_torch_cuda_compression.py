@@ -44,11 +44,25 @@ WORKER = textwrap.dedent("""
     case(extreme)
     half = torch.arange(-8.0, 8.0).reshape(1, -1) * 127.5 / 8  # values at .5 steps: round half to even
     case(half)
+
+    def owner_step(x):  # ByteGrad's owner step on the rows received: dequantise, sum in rank order, requantise
+        packed = C.compress_rows(x.float().numpy())
+        for average in (True, False):
+            want = C.reduce_requantize(packed, average)
+            got = T.reduce_requantize(torch.from_numpy(packed), average)
+            assert np.array_equal(got.numpy(), want), (tuple(x.shape), average)
+
+    for rows, k in [(1, 5), (2, 4096), (3, 10000), (8, 8193)]:
+        owner_step(torch.randn(rows, k, generator=g))
+        owner_step(torch.randn(rows, k, generator=g) * 1e30)  # large sums (an overflow to inf is garbage anyway)
+        owner_step(torch.randn(rows, k, generator=g) * 10.0 ** torch.arange(rows).reshape(-1, 1))  # scales apart
+        owner_step(torch.zeros(rows, k))
     print("ok")
 """)
 
 
 def test_triton_kernels_equal_compression_on_numpy_bit_for_bit():
+    """compress_rows, decompress_rows and ByteGrad's owner step (reduce_requantize)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", WORKER], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
