@@ -107,8 +107,8 @@ def placement(mode):
         if rank == 0:
             seen = _nvidia_smi_placement()
             values["nvidia_smi"] = {pid: sorted(seen.get(pid, ())) for pid in pids} if seen else "no processes listed"
-            for r, pid in enumerate(pids):
-                if seen and pid in seen and seen[pid] != {int(os.environ.get("LOCAL_RANK", r))}:
+            for r, pid in enumerate(pids):  # one machine: rank r's GPU is GPU r
+                if seen and pid in seen and seen[pid] != {r}:
                     problems.append(f"rank {r} (pid {pid}) holds a context on GPUs {sorted(seen[pid])}")
         dist.barrier()  # every process alive while rank 0 asks nvidia-smi
     wrapped.shutdown()
