@@ -45,7 +45,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from launch import run_workers  # noqa: E402  (tests/launch.py: N processes, torchrun variables, a hard timeout)
 
-PASS, FAIL, NEEDS_GPU = "pass", "fail", "needs GPU"
+PASS, FAIL, NEEDS_GPU, NOT_APPLICABLE = "pass", "fail", "needs GPU", "not applicable"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,7 @@ class MultiCheck:
     ``one_process``), ``mode`` "gpus", "one gpu" or "cpu" (see :mod:`gpu_check_multi`).
 
     ``one_gpu``: one GPU can simulate it (``alone_on_one_gpu``: there in one process).  ``victim``: the last
-    rank exits on purpose, leaving no result.
+    rank exits on purpose, leaving no result.  ``min_n``: the smallest N it applies to (below, "not applicable").
     ``env``: (name, value) pairs for its processes; ``{half}`` in a value is N // 2.
     """
 
@@ -130,6 +130,7 @@ class MultiCheck:
     alone_on_one_gpu: bool = False
     victim: bool = False
     env: tuple = ()
+    min_n: int = 2
 
 
 M, J = "gpu_check_multi", "gpu_check_multi_jax"
@@ -145,7 +146,8 @@ MULTI_CHECKS = [
                f"{M}:every_algorithm", 150, "gloo on the CPU, judged", one_gpu=True),
     MultiCheck(23, "two levels: 2 pseudo-nodes of N/2", "node groups right; GradientAllReduce, ByteGrad and "
                "Decentralized over nodes equal the two-level numpy references; a node's ranks bitwise equal",
-               f"{M}:two_level", 120, "gloo on the CPU, judged", one_gpu=True, env=(("LOCAL_WORLD_SIZE", "{half}"),)),
+               f"{M}:two_level", 120, "gloo on the CPU, judged", one_gpu=True, env=(("LOCAL_WORLD_SIZE", "{half}"),),
+               min_n=4),
     MultiCheck(24, "ordering stress", "two wrapped models, SyncBatchNorm, an all-gather in the loss, random "
                "0-20 ms pauses before each bucket: no hang, equal to DDP (1e-3 of the distance moved)",
                f"{M}:ordering_stress", 120, "gloo on the CPU with the allreduces of SyncBatchNorm, judged",
@@ -223,6 +225,8 @@ def run_multi_check(check: MultiCheck, n: int, mode: str | None, timeout: float,
     """Run one check of ``--gpus n`` in fresh processes; its entry of the JSON file (never raises)."""
     entry = {"number": check.number, "name": check.name, "criterion": check.criterion, "mode": mode}
     needs = f"needs {n} GPUs"
+    if n < check.min_n:
+        return {**entry, "status": NOT_APPLICABLE, "values": {"why": f"needs N >= {check.min_n}"}, "seconds": 0.0}
     if mode is None:
         return {**entry, "status": needs, "values": {}, "seconds": 0.0}
     if mode == "cpu":

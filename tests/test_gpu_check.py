@@ -145,6 +145,8 @@ def test_asked_for_more_gpus_than_there_are_the_rest_fail(monkeypatch):
     assert {driver.multi_mode(c, "cuda", 8, 8) for c in driver.MULTI_CHECKS} == {"gpus"}
     entry = driver.run_multi_check(driver.MULTI_CHECKS[0], 8, None, 60, {})
     assert entry["status"] == "needs 8 GPUs"
+    two_levels = next(c for c in driver.MULTI_CHECKS if c.number == 23)  # 2 nodes of >= 2 ranks: N >= 4
+    assert driver.run_multi_check(two_levels, 2, "gpus", 60, {})["status"] == "not applicable"
 
 
 @pytest.mark.gpu
